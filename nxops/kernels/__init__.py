@@ -1,0 +1,20 @@
+"""Kernel selection and the registry of implementations (``nx.kernels``).
+
+``NXOPS_KERNELS`` (read at import) or ``nx.kernels.use(...)`` selects, per op
+family (reduce, einsum, tile, collective), the backend: ``auto`` (default),
+``xla``, ``pallas`` or ``triton``.
+"""
+from nxops.kernels._explain import Explanation, explain
+from nxops.kernels._registry import (
+    BACKENDS, CHOICES, FAMILIES, OP_FAMILY, PLATFORMS, Choice, Kernel, Selection,
+    choose, collect_reports, current_selection, parse_selection, register, registered, use,
+)
+from nxops.kernels import xla  # noqa: F401  (registers the reference kernels)
+from nxops.kernels import pallas  # noqa: F401  (registers the Pallas kernels)
+from nxops.kernels import triton  # noqa: F401  (registers Triton kernels when jax-triton is installed)
+
+__all__ = [
+    "BACKENDS", "CHOICES", "FAMILIES", "OP_FAMILY", "PLATFORMS", "Choice", "Explanation",
+    "Kernel", "Selection", "choose", "collect_reports", "current_selection", "explain",
+    "parse_selection", "register", "registered", "use",
+]

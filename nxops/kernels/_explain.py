@@ -1,0 +1,52 @@
+"""``nx.kernels.explain``: which implementation each op of a program uses."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+from jax.extend import core as jex_core
+
+from nxops.kernels import _registry
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+    """The kernel choices of one program, for one platform."""
+
+    platform: str
+    selection: str
+    reports: tuple[_registry.Report, ...]
+
+    def backends(self) -> dict[str, set[str]]:
+        """``{op: {backend, ...}}`` over the whole program."""
+        out: dict[str, set[str]] = {}
+        for r in self.reports:
+            out.setdefault(r.op, set()).add(r.choice.kernel.backend)
+        return out
+
+    def __str__(self) -> str:
+        head = f"nxops kernels on {self.platform} (NXOPS_KERNELS={self.selection}):"
+        if not self.reports:
+            return head + "\n  (no nxops kernel ops in this program)"
+        rows = [f"  {'op':<15} {'operands':<40} {'kernel':<20} why"]
+        rows += [f"  {r}" for r in self.reports]
+        return "\n".join([head, *rows])
+
+
+def explain(fn: Callable[..., Any], *args: Any, platform: str | None = None,
+            **kwargs: Any) -> Explanation:
+    """Traces and lowers ``fn(*args, **kwargs)`` for ``platform`` (default: the
+    default backend) and reports the kernel chosen for each nxops op.
+
+    Lowering for another platform works on CPU, so ``platform="cuda"`` or
+    ``"tpu"`` shows what would run there. Nothing is executed.
+    """
+    platform = platform or jax.default_backend()
+    with _registry.collect_reports() as reports:
+        closed = jax.make_jaxpr(fn)(*args, **kwargs)
+        # A fresh function object, so that no cached lowering skips the rules.
+        fresh = jax.jit(lambda *flat: jex_core.jaxpr_as_fun(closed)(*flat))
+        flat_args = jax.tree_util.tree_leaves((args, kwargs))
+        fresh.trace(*flat_args).lower(lowering_platforms=(platform,))
+    return Explanation(platform, str(_registry.current_selection()), tuple(reports))

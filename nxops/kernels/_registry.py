@@ -1,0 +1,292 @@
+"""The kernel registry: every implementation of every positional op, and the
+selection (``NXOPS_KERNELS`` / ``nx.kernels.use``) that picks one.
+
+A kernel knows nothing of axis names: it takes positional arrays and static
+parameters. Each record says which platforms it runs on and, for a given case,
+why it cannot take it (``not_supported_reasons``). The ``xla`` backend is the
+reference implementation of every op and supports every case.
+
+The selection is a JAX config state that is part of the jit cache key and the
+trace context, so switching it recompiles instead of reusing a stale program.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from typing import Any, Callable, Iterator, Sequence
+
+from jax._src import config as _jax_config
+
+from nxops._errors import NxopsError
+
+# Positional ops that have kernels, grouped into the families that
+# NXOPS_KERNELS selects per op (``reduce=pallas,einsum=xla``).
+OP_FAMILY: dict[str, str] = {
+    "reduce": "reduce",
+    "dot_general": "einsum",
+    "tile": "tile",
+    "all_gather": "collective",
+    "reduce_scatter": "collective",
+}
+FAMILIES: tuple[str, ...] = ("reduce", "einsum", "tile", "collective")
+BACKENDS: tuple[str, ...] = ("xla", "pallas", "triton")
+CHOICES: tuple[str, ...] = ("auto",) + BACKENDS
+PLATFORMS: tuple[str, ...] = ("cpu", "cuda", "rocm", "tpu")
+
+# `auto` prefers these backends, in order, on each platform; `xla` is always
+# the last resort. On CPU the Pallas/Triton kernels only run interpreted, which
+# is for testing, never faster: `auto` keeps XLA there.
+AUTO_PREFERENCE: dict[str, tuple[str, ...]] = {
+    "cpu": ("xla",),
+    "cuda": ("pallas", "triton", "xla"),
+    "rocm": ("pallas", "xla"),
+    "tpu": ("pallas", "xla"),
+}
+
+NotSupportedReasons = Callable[..., Sequence[str]]
+
+
+def _always_supported(*avals: Any, platform: str, **params: Any) -> Sequence[str]:
+    del avals, platform, params
+    return ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One implementation of one positional op.
+
+    ``fn(*arrays, platform=..., **params)`` computes the op; ``platforms`` are
+    the lowering platforms it runs on; ``not_supported_reasons(*avals,
+    platform=..., **params)`` returns why it cannot take a case (empty when it
+    can). ``reference`` names the reference implementation it is tested against.
+    """
+
+    op: str
+    backend: str
+    platforms: tuple[str, ...]
+    fn: Callable[..., Any]
+    not_supported_reasons: NotSupportedReasons = _always_supported
+    description: str = ""
+
+    def __post_init__(self):
+        if self.op not in OP_FAMILY:
+            raise ValueError(f"unknown op {self.op!r}; known ops: {sorted(OP_FAMILY)}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r}; known: {BACKENDS}")
+        unknown = set(self.platforms) - set(PLATFORMS)
+        if unknown:
+            raise ValueError(f"unknown platforms {sorted(unknown)}; known: {PLATFORMS}")
+
+    @property
+    def name(self) -> str:
+        return f"{self.backend}:{self.op}"
+
+
+_KERNELS: dict[tuple[str, str], Kernel] = {}
+
+
+def register(kernel: Kernel) -> Kernel:
+    """Adds ``kernel``; registering the same (op, backend) twice is a bug."""
+    key = (kernel.op, kernel.backend)
+    if key in _KERNELS and _KERNELS[key] is not kernel:
+        raise ValueError(f"a {kernel.backend!r} kernel for {kernel.op!r} is already registered")
+    _KERNELS[key] = kernel
+    return kernel
+
+
+def registered(op: str | None = None) -> list[Kernel]:
+    """The registered kernels, of one op or of all."""
+    return [k for (o, _), k in sorted(_KERNELS.items()) if op is None or o == op]
+
+
+# ---------------------------------------------------------------------------
+# The selection
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """The backend chosen per op family: each one of ``CHOICES``."""
+
+    per_family: tuple[tuple[str, str], ...]
+
+    def backend_for(self, op: str) -> str:
+        return dict(self.per_family)[OP_FAMILY[op]]
+
+    def __str__(self) -> str:
+        backends = {b for _, b in self.per_family}
+        if len(backends) == 1:
+            return backends.pop()
+        return ",".join(f"{f}={b}" for f, b in self.per_family)
+
+
+def _selection_error(value: str, why: str) -> NxopsError:
+    return NxopsError(
+        f"invalid kernel selection NXOPS_KERNELS={value!r}: {why}. Valid values: one of "
+        f"{', '.join(CHOICES)} for every op, or a comma-separated list of "
+        f"op=backend with op in {{{', '.join(FAMILIES)}}} and backend in "
+        f"{{{', '.join(CHOICES)}}}, e.g. 'reduce=pallas,einsum=xla' (unlisted ops use auto)."
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def parse_selection(value: str) -> Selection:
+    """Parses an ``NXOPS_KERNELS`` value; raises NxopsError naming the bad part."""
+    if not isinstance(value, str):
+        raise _selection_error(repr(value), "it must be a string")
+    text = value.strip().lower()
+    if text in CHOICES:
+        return Selection(tuple((f, text) for f in FAMILIES))
+    chosen: dict[str, str] = {}
+    for part in text.split(","):
+        family, eq, backend = (s.strip() for s in part.partition("="))
+        if not eq:
+            raise _selection_error(value, f"{part.strip()!r} is neither a backend nor op=backend")
+        if family not in FAMILIES:
+            raise _selection_error(value, f"unknown op {family!r}")
+        if backend not in CHOICES:
+            raise _selection_error(value, f"unknown backend {backend!r} for {family}")
+        if family in chosen:
+            raise _selection_error(value, f"op {family!r} is given twice")
+        chosen[family] = backend
+    return Selection(tuple((f, chosen.get(f, "auto")) for f in FAMILIES))
+
+
+def _validate_state_value(value: Any) -> None:
+    parse_selection(value)
+
+
+# Read from the NXOPS_KERNELS environment variable when nxops is imported;
+# part of jit's cache key and trace context, so `use(...)` forces a retrace.
+_SELECTION_STATE = _jax_config.string_or_object_state(
+    "nxops_kernels",
+    "auto",
+    "Which kernel implementation nxops uses per op: auto, xla, pallas, triton, "
+    "or op=backend pairs such as 'reduce=pallas,einsum=xla'.",
+    include_in_jit_key=True,
+    include_in_trace_context=True,
+    validator=_validate_state_value,
+)
+
+
+def current_selection() -> Selection:
+    """The selection in force (validated: a bad NXOPS_KERNELS raises here)."""
+    return parse_selection(_SELECTION_STATE.value)
+
+
+@contextlib.contextmanager
+def use(selection: str) -> Iterator[Selection]:
+    """Selects kernels within a block: ``with nx.kernels.use("pallas"): ...``.
+
+    Takes the same values as ``NXOPS_KERNELS``. Functions jitted inside the
+    block are traced and compiled for this selection.
+    """
+    parsed = parse_selection(selection)
+    with _SELECTION_STATE(selection):
+        yield parsed
+
+
+# ---------------------------------------------------------------------------
+# Choosing a kernel for one case
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The kernel picked for one case, and why others were passed over."""
+
+    kernel: Kernel
+    requested: str
+    passed_over: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    def describe(self) -> str:
+        text = f"{self.kernel.backend} (requested {self.requested})"
+        for backend, reasons in self.passed_over:
+            text += f"; {backend} not used: {'; '.join(reasons)}"
+        return text
+
+
+def _reasons(kernel: Kernel, platform: str, avals: Sequence[Any], params: dict) -> tuple[str, ...]:
+    if platform not in kernel.platforms:
+        return (f"it runs on {', '.join(kernel.platforms)}, not {platform}",)
+    return tuple(kernel.not_supported_reasons(*avals, platform=platform, **params))
+
+
+def choose(op: str, platform: str, selection: Selection, avals: Sequence[Any],
+           **params: Any) -> Choice:
+    """The kernel that runs ``op`` for this case on ``platform``.
+
+    ``auto`` takes the first backend of ``AUTO_PREFERENCE[platform]`` that is
+    registered and supports the case; an explicitly requested backend that
+    cannot take the case raises NxopsError with its reasons.
+    """
+    requested = selection.backend_for(op)
+    if requested == "auto":
+        passed_over = []
+        for backend in AUTO_PREFERENCE.get(platform, ("xla",)):
+            kernel = _KERNELS.get((op, backend))
+            if kernel is None:
+                continue
+            reasons = _reasons(kernel, platform, avals, params)
+            if not reasons:
+                return Choice(kernel, requested, tuple(passed_over))
+            passed_over.append((backend, reasons))
+        return Choice(_KERNELS[(op, "xla")], requested, tuple(passed_over))
+
+    kernel = _KERNELS.get((op, requested))
+    family = OP_FAMILY[op]
+    if kernel is None:
+        have = sorted(b for (o, b) in _KERNELS if o == op)
+        raise NxopsError(
+            f"NXOPS_KERNELS asks for the {requested!r} implementation of {family!r} "
+            f"(op {op!r}), but none is registered (registered: {', '.join(have)}). "
+            f"Use {family}=auto or {family}=xla, or install what {requested!r} needs."
+        )
+    reasons = _reasons(kernel, platform, avals, params)
+    if reasons:
+        shapes = ", ".join(f"{getattr(a, 'dtype', '?')}{list(getattr(a, 'shape', ()))}" for a in avals)
+        raise NxopsError(
+            f"the {requested!r} implementation of {op!r} cannot run this case "
+            f"({shapes}; {params}) on {platform}: {'; '.join(reasons)}. "
+            f"Use NXOPS_KERNELS={family}=auto to fall back to xla for such cases."
+        )
+    return Choice(kernel, requested)
+
+
+# ---------------------------------------------------------------------------
+# Reporting which kernel ran (for `explain` and the demo)
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """One op of a program and the kernel chosen for it."""
+
+    op: str
+    operands: str
+    choice: Choice
+
+    def __str__(self) -> str:
+        return f"{self.op:<15} {self.operands:<40} {self.choice.kernel.name:<20} {self.choice.describe()}"
+
+
+_collectors: list[list[Report]] = []
+
+
+def report(op: str, choice: Choice, avals: Sequence[Any], params: dict) -> None:
+    """Called by lowering rules (and trace-time dispatch) with each choice."""
+    del params
+    if not _collectors:
+        return
+    operands = ", ".join(f"{getattr(a, 'dtype', '?')}{list(getattr(a, 'shape', ()))}" for a in avals)
+    for collector in _collectors:
+        collector.append(Report(op, operands, choice))
+
+
+@contextlib.contextmanager
+def collect_reports() -> Iterator[list[Report]]:
+    """Records every kernel choice made while the block traces or lowers."""
+    reports: list[Report] = []
+    _collectors.append(reports)
+    try:
+        yield reports
+    finally:
+        _collectors.remove(reports)

@@ -1,0 +1,33 @@
+"""Reference collectives over mesh axes: XLA's all-gather and reduce-scatter
+(NCCL on GPU, ICI on TPU). Called inside ``shard_map`` bodies."""
+from __future__ import annotations
+
+import jax
+from jax import lax
+
+from nxops.kernels._registry import Kernel, register
+
+ALL_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+
+
+def all_gather(x: jax.Array, axis_name, *, axis: int, tiled: bool, platform: str = "cpu") -> jax.Array:
+    """``lax.all_gather``: one all-gather over ``axis_name`` (a name or tuple)."""
+    del platform
+    return lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
+
+
+def reduce_scatter(x: jax.Array, axis_name, *, scatter_dimension: int, tiled: bool,
+                   platform: str = "cpu") -> jax.Array:
+    """``lax.psum_scatter``: one reduce-scatter over ``axis_name``."""
+    del platform
+    return lax.psum_scatter(x, axis_name, scatter_dimension=scatter_dimension, tiled=tiled)
+
+
+ALL_GATHER = register(Kernel(
+    op="all_gather", backend="xla", platforms=ALL_PLATFORMS, fn=all_gather,
+    description="XLA all-gather",
+))
+REDUCE_SCATTER = register(Kernel(
+    op="reduce_scatter", backend="xla", platforms=ALL_PLATFORMS, fn=reduce_scatter,
+    description="XLA reduce-scatter",
+))

@@ -1,0 +1,41 @@
+"""Reference reductions over positional axes (pure JAX)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from nxops.kernels._registry import Kernel, register
+
+REDUCE_OPS = ("sum", "max", "min", "prod", "logsumexp")
+
+_JNP_REDUCERS = {
+    "sum": jnp.sum,
+    "max": jnp.max,
+    "min": jnp.min,
+    "prod": jnp.prod,
+    "logsumexp": jax.nn.logsumexp,
+}
+
+
+def reduce(x: jax.Array, *, axes: tuple[int, ...], op: str, platform: str = "cpu") -> jax.Array:
+    """Reduces ``x`` over positional ``axes`` with ``op``, exactly as ``jnp`` does.
+
+    Integer inputs follow ``jnp`` (``sum`` promotes small ints; ``logsumexp``
+    returns floats). ``logsumexp`` is stable: it subtracts the running max.
+    """
+    del platform
+    if op == "logsumexp" and not jnp.issubdtype(x.dtype, jnp.inexact):
+        x = x.astype(jnp.result_type(float))
+    return _JNP_REDUCERS[op](x, axis=axes)
+
+
+def reduce_dtype(dtype, op: str):
+    """The result dtype of ``reduce(x, op=op)`` for an input of ``dtype``."""
+    return jax.eval_shape(lambda x: reduce(x, axes=(0,), op=op),
+                          jax.ShapeDtypeStruct((1,), dtype)).dtype
+
+
+KERNEL = register(Kernel(
+    op="reduce", backend="xla", platforms=("cpu", "cuda", "rocm", "tpu"), fn=reduce,
+    description="jnp reductions (XLA reduce)",
+))

@@ -1,0 +1,115 @@
+"""Resolution of axis names used by named ops.
+
+A name given to an nxops op is *logical*. Inside an ``nx.xmap`` body the
+frontend maps each logical name to the physical axes that carry it, major to
+minor: mesh axes of the enclosing ``shard_map`` and/or the name of a local
+``vmap`` tile. Outside xmap (plain ``jax.vmap(axis_name=...)`` or
+``jax.shard_map`` bodies) a name is its own physical axis.
+
+Physical names are then split into *vmap names* (handled by nxops primitives'
+batching rules, so the work becomes positional and runs in a kernel) and
+*mesh names* (manual axes of an enclosing ``shard_map``, handled by one
+collective).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from typing import Iterator, Sequence
+
+import jax
+from jax._src import core as _core
+
+from nxops._errors import NxopsError
+
+
+@dataclasses.dataclass(frozen=True)
+class LogicalAxis:
+    """How one logical name is carried: ``physical`` names, major to minor;
+    ``loop`` is the serial-loop resource, if any (collectives over a looped
+    axis are not allowed: each loop step only sees one chunk)."""
+
+    physical: tuple[str, ...]
+    loop: str | None = None
+
+
+_LOGICAL_AXES: contextvars.ContextVar[dict[str, LogicalAxis]] = contextvars.ContextVar(
+    "nxops_logical_axes", default={})
+
+
+@contextlib.contextmanager
+def logical_axes(mapping: dict[str, LogicalAxis]) -> Iterator[None]:
+    """Binds logical names while an ``nx.xmap`` body is traced (nests: inner
+    bindings extend outer ones)."""
+    token = _LOGICAL_AXES.set({**_LOGICAL_AXES.get(), **mapping})
+    try:
+        yield
+    finally:
+        _LOGICAL_AXES.reset(token)
+
+
+def current_logical_axes() -> dict[str, LogicalAxis]:
+    return dict(_LOGICAL_AXES.get())
+
+
+def as_name_tuple(axis_name) -> tuple:
+    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def resolve(names: Sequence, *, op: str, allow_loop: bool = False) -> tuple[str, ...]:
+    """Physical axis names (major to minor) for logical ``names``."""
+    logical = _LOGICAL_AXES.get()
+    physical: list[str] = []
+    for name in names:
+        axis = logical.get(name)
+        if axis is None:
+            physical.append(name)
+            continue
+        if axis.loop is not None and not allow_loop:
+            raise NxopsError(
+                f"{op} over named axis {name!r}, which nx.xmap maps to the serial loop "
+                f"{axis.loop!r}: each loop step sees one chunk, so {op} across the loop "
+                f"is not possible. Map {name!r} to mesh axes (or nothing) in axis_resources.")
+        physical.extend(axis.physical)
+    return tuple(physical)
+
+
+def manual_mesh_axes() -> frozenset:
+    """Mesh axes that are manual here (inside ``shard_map``)."""
+    return frozenset(jax.sharding.get_abstract_mesh().manual_axes)
+
+
+def split_vmap_and_mesh(physical: Sequence[str], *, op: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Splits physical names into (vmap names, manual mesh names).
+
+    Raises NxopsError for a name that no enclosing vmap, shard_map or xmap binds.
+    """
+    env = _core.get_axis_env()
+    manual = manual_mesh_axes()
+    vmap_names, mesh_names = [], []
+    for name in physical:
+        if name in manual:
+            mesh_names.append(name)
+        elif env.axis_exists(name):
+            vmap_names.append(name)
+        else:
+            bound = sorted(set(map(str, env.axis_sizes)) | set(map(str, _LOGICAL_AXES.get())))
+            raise NxopsError(
+                f"{op}: axis name {name!r} is not bound here (bound names: "
+                f"{', '.join(bound) or 'none'}). Named axes exist inside nx.xmap, "
+                f"jax.vmap(..., axis_name=...) and jax.shard_map bodies; use an int "
+                f"for a positional axis.")
+    return tuple(vmap_names), tuple(mesh_names)
+
+
+def physical_axis_size(name: str) -> int:
+    return _core.get_axis_env().axis_size(name)
+
+
+def check_no_duplicates(names: Sequence, *, op: str, what: str) -> None:
+    seen = set()
+    for name in names:
+        if name in seen:
+            raise NxopsError(f"{op}: {what} {names!r} names axis {name!r} twice; name it once.")
+        seen.add(name)
