@@ -1,0 +1,1 @@
+"""nxops benchmarks: ``pytest bench --benchmark-only`` (see bench/README.md)."""

@@ -1,0 +1,54 @@
+"""Which implementations a benchmark compares, and why one is skipped here.
+
+Every group holds a hand-written JAX ``baseline`` and one entry per nxops
+backend (``xla``, ``pallas``, ``triton``). A backend is skipped with its
+reason when it has no kernel for the op, does not run on this platform, or
+cannot take the case; sizes are limited where a platform makes them slow.
+"""
+from __future__ import annotations
+
+import jax
+
+import nxops as nx
+
+BASELINE = "baseline"
+IMPLEMENTATIONS = (BASELINE,) + tuple(nx.kernels.BACKENDS)
+
+# Sizes each platform runs. Pallas (and the Pallas collectives) run in
+# interpret mode on CPU: correct but slow, so only the small size there.
+ACCELERATOR_ONLY_SIZES = ("large",)
+INTERPRETED_SIZES = ("small",)
+
+
+def skip_reason(op: str, backend: str, size: str, platform: str, avals=(),
+                params=None) -> str | None:
+    """Why ``backend`` cannot run the kernel ``op`` (with ``avals`` and
+    ``params``) at ``size`` here, or None if it can."""
+    if size in ACCELERATOR_ONLY_SIZES and platform == "cpu":
+        return f"size {size!r} runs only on an accelerator (too slow and large on CPU)"
+    if backend == BASELINE:
+        return None
+    kernels = {k.backend: k for k in nx.kernels.registered(op)}
+    kernel = kernels.get(backend)
+    if kernel is None:
+        return f"nxops has no {backend!r} kernel for {op!r} (registered: {', '.join(sorted(kernels))})"
+    if platform not in kernel.platforms:
+        return f"the {backend!r} {op} kernel runs on {', '.join(kernel.platforms)}, not {platform}"
+    if backend == "pallas" and platform == "cpu" and size not in INTERPRETED_SIZES:
+        return f"Pallas runs in interpret mode on CPU: only sizes {INTERPRETED_SIZES} there"
+    reasons = kernel.not_supported_reasons(*avals, platform=platform, **(params or {})) if avals else ()
+    if reasons:
+        return f"the {backend!r} {op} kernel cannot take this case: {'; '.join(reasons)}"
+    return None
+
+
+def compile_for(backend: str, fn, *args):
+    """``jax.jit(fn)`` lowered and compiled for ``args`` with ``backend``'s kernels.
+
+    The kernel selection is read while tracing, so the compiled executable
+    keeps it wherever it is called; the baseline compiles under ``auto``.
+    """
+    if backend == BASELINE:
+        return jax.jit(fn).lower(*args).compile()
+    with nx.kernels.use(backend):
+        return jax.jit(fn).lower(*args).compile()

@@ -1,0 +1,88 @@
+"""Reductions (sum, max, logsumexp, mean) over the last axis of a matrix.
+
+Each group (op, variant, dtype, size) holds the hand-written ``jnp`` baseline
+and every nxops backend. ``positional`` reduces axis 1 with ``nx.<op>(x, 1)``;
+``named`` reduces the same data over a name bound by ``jax.vmap(axis_name=)``.
+Reductions are memory bound: bytes moved = input + output.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import nxops as nx
+from bench._backends import BASELINE, IMPLEMENTATIONS, compile_for, skip_reason
+from bench._measure import Work, assert_close, measure, nbytes
+
+OPS = ("sum", "max", "logsumexp", "mean")
+VARIANTS = ("positional", "named")
+DTYPES = (jnp.float32, jnp.bfloat16)
+SHAPES = {"small": (512, 1024), "medium": (4096, 8192), "large": (16384, 32768)}
+
+BASELINES = {
+    "sum": functools.partial(jnp.sum, axis=1),
+    "max": functools.partial(jnp.max, axis=1),
+    "logsumexp": functools.partial(jax.nn.logsumexp, axis=1),
+    "mean": functools.partial(jnp.mean, axis=1),
+}
+
+HAVE_OPS = hasattr(nx, "sum")
+
+
+def nxops_reduce(op: str, variant: str, platform: str):
+    """The nxops function under test: the public op, or (until nxops exports
+    the ops) the registered kernel called directly."""
+    if HAVE_OPS:
+        named_op = getattr(nx, op)
+        if variant == "positional":
+            return lambda x: named_op(x, 1)
+        return jax.vmap(lambda column: named_op(column, "j"), in_axes=1, out_axes=None,
+                        axis_name="j")
+
+    def kernel_reduce(x):
+        kernel = nx.kernels.choose("reduce", platform, nx.kernels.current_selection(), (x,),
+                                   axes=(1,), op=op).kernel
+        if op == "mean":
+            return kernel.fn(x, axes=(1,), op="sum", platform=platform) / x.shape[1]
+        return kernel.fn(x, axes=(1,), op=op, platform=platform)
+    return kernel_reduce
+
+
+def cases():
+    for op in OPS:
+        for variant in VARIANTS:
+            for dtype in DTYPES:
+                for size in SHAPES:
+                    for impl in IMPLEMENTATIONS:
+                        quick = op in ("sum", "logsumexp") and size == "small"
+                        yield pytest.param(op, variant, dtype, size, impl,
+                                           id=f"{op}-{variant}-{jnp.dtype(dtype).name}-{size}-{impl}",
+                                           marks=[pytest.mark.quick] if quick else [])
+
+
+@pytest.mark.parametrize("op,variant,dtype,size,impl", list(cases()))
+def test_reduce(benchmark, peak, platform, op, variant, dtype, size, impl):
+    shape = SHAPES[size]
+    x_aval = jax.ShapeDtypeStruct(shape, dtype)
+    kernel_op = "sum" if op == "mean" else op
+    reason = skip_reason("reduce", impl, size, platform, (x_aval,), dict(axes=(1,), op=kernel_op))
+    if reason is None and impl != BASELINE and variant == "named" and not HAVE_OPS:
+        reason = "named reductions need nx.sum & co., which nxops does not export yet"
+    if reason:
+        pytest.skip(reason)
+
+    x = jax.random.uniform(jax.random.key(0), shape, dtype)
+    fn = BASELINES[op] if impl == BASELINE else nxops_reduce(op, variant, platform)
+    compiled = compile_for(impl, fn, x)
+    expected = jax.jit(BASELINES[op])(x.astype(jnp.float32))
+    work = Work(bytes_moved=nbytes(x) + shape[0] * jnp.dtype(dtype).itemsize,
+                flops=x.size)
+    result = measure(benchmark, compiled, x, work=work, peak=peak, dtype=dtype,
+                     group=f"reduce-{op}-{variant}-{jnp.dtype(dtype).name}-{size}",
+                     info=dict(op=f"reduce {op} ({variant})", backend=impl,
+                               size=f"{size} {shape[0]}x{shape[1]}", baseline=impl == BASELINE))
+    assert result.shape == (shape[0],)
+    assert_close(result, expected, dtype)
