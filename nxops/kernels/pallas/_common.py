@@ -1,0 +1,149 @@
+"""Shared plumbing of the Pallas kernels: which lowering a platform gets, the
+``pallas_call`` arguments that select it, and the block-size heuristic.
+
+Two kernel *styles* exist because the two compiled Pallas backends want
+different programs:
+
+- ``"triton"`` (GPU): every grid point is an independent program running in
+  parallel, refs are whole arrays in global memory, loads/stores are masked
+  explicitly (``plgpu.load(..., mask=, other=)``) and a kernel loops over the
+  reduced/contracted dimension itself (``fori_loop``). Triton has no scratch
+  memory and no scalar prefetch. Every loaded block dim is a power of two.
+- ``"mosaic"`` (TPU): the grid runs sequentially per core, BlockSpecs DMA
+  blocks into VMEM, a reduction walks the last ("arbitrary") grid axis and
+  accumulates in VMEM scratch. Block dims: last two multiples of (8, 128) or
+  equal to the array's dims. Out-of-bounds parts of edge blocks hold garbage,
+  so kernels mask them with the identity of the op.
+
+``platform="cpu"`` runs a kernel in Pallas interpret mode, in the style given
+by :data:`INTERPRET_STYLE` (both styles run interpreted; the tests run both).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from typing import Iterator
+
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as plgpu
+
+PLATFORMS = ("cpu", "cuda", "tpu")
+STYLES = ("triton", "mosaic")
+
+# The style that `platform="cpu"` (interpret mode) runs. Mosaic style checks
+# more in interpret mode: edge blocks are padded with NaN, so a missing mask
+# shows up as a wrong result.
+INTERPRET_STYLE = "mosaic"
+
+# Dtypes the kernels take (accumulation is in f32). f16 has no native TPU path.
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """How a kernel is built: its program ``style`` and whether it runs in
+    Pallas interpret mode (``platform="cpu"``)."""
+
+    platform: str
+    style: str
+    interpret: bool
+
+
+def target_for(platform: str, style: str | None = None) -> Target:
+    """The target of ``platform``; ``style`` overrides it (for interpret-mode
+    tests of the other style on CPU only)."""
+    if platform not in PLATFORMS:
+        raise ValueError(f"Pallas kernels run on {PLATFORMS}, not {platform!r}")
+    native = {"cuda": "triton", "tpu": "mosaic", "cpu": INTERPRET_STYLE}[platform]
+    if style is not None and style != native and platform != "cpu":
+        raise ValueError(f"platform {platform!r} only lowers {native!r}-style kernels")
+    return Target(platform, style or native, interpret=platform == "cpu")
+
+
+def call_kwargs(target: Target, *, dimension_semantics: tuple[str, ...] = (),
+                num_warps: int = 4, num_stages: int = 2) -> dict:
+    """The ``pallas_call`` keyword arguments that select ``target``'s backend.
+
+    On cuda the Triton ``CompilerParams`` type is what makes Pallas lower via
+    Triton (``__gpu$xla.gpu.triton``) instead of JAX 0.10's default Mosaic GPU.
+    """
+    if target.interpret:
+        return {"interpret": True}
+    if target.style == "triton":
+        return {"compiler_params": plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)}
+    return {"compiler_params": pltpu.CompilerParams(dimension_semantics=dimension_semantics)}
+
+
+# ---------------------------------------------------------------------------
+# Block sizes
+#
+# Each kernel asks for a block along one dim with a *cap* (the largest block
+# it wants there). The heuristic:
+# - triton: the next power of two of the dim, clamped to [minimum, cap]
+#   (Triton tensors have power-of-two sizes; `tl.dot` needs >= 16);
+# - mosaic: the whole dim if it fits under the cap (always a legal block),
+#   else the cap, which is a multiple of the dim's TPU tiling (8 sublanes or
+#   128 lanes), so the block is legal and edge blocks are masked.
+# Caps come from `DEFAULT_CAPS` and can be shrunk with `block_caps(...)` so
+# that tests exercise many blocks with small arrays.
+
+DEFAULT_CAPS: dict[str, dict[str, int]] = {
+    # triton: a (rows x cols) register tile of <= 4096 elements per program.
+    "triton": {"rows": 64, "cols": 1024, "tile": 4096,
+               "m": 64, "n": 64, "k": 32},
+    # mosaic: ~2 MiB f32 input blocks (double-buffered: well under the
+    # 16 MiB default scoped VMEM); matmul blocks feed the 128/256-wide MXU.
+    "mosaic": {"rows": 256, "cols": 2048, "tile": 512 * 1024,
+               "m": 256, "n": 256, "k": 512},
+}
+
+_CAPS: contextvars.ContextVar[dict[str, dict[str, int]]] = contextvars.ContextVar(
+    "nxops_pallas_block_caps", default=DEFAULT_CAPS)
+
+
+@contextlib.contextmanager
+def block_caps(style: str, **caps: int) -> Iterator[None]:
+    """Overrides block caps of ``style`` within a block (tests use tiny caps;
+    caps that are not multiples of (8, 128) only make sense in interpret mode)."""
+    current = _CAPS.get()
+    token = _CAPS.set({**current, style: {**current[style], **caps}})
+    try:
+        yield
+    finally:
+        _CAPS.reset(token)
+
+
+def cap(style: str, name: str) -> int:
+    return _CAPS.get()[style][name]
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def block_size(style: str, dim: int, cap_name: str, *, minimum: int = 1,
+               power_of_2: bool = False, align: int = 128) -> int:
+    """The block along a dim of size ``dim`` (see the heuristic above).
+
+    ``power_of_2`` asks mosaic for a power-of-two block too (at least
+    ``align``, the dim's TPU tiling, so that it stays legal when larger than
+    the dim): kernels that reduce a block by halving need one.
+    """
+    limit = cap(style, cap_name)
+    if style == "triton" or power_of_2:
+        block = min(next_power_of_2(dim), next_power_of_2(limit))
+        return max(minimum, block if style == "triton" else max(block, min(align, limit)))
+    return dim if dim <= limit else limit
+
+
+def num_warps_for(elements: int) -> int:
+    """Triton warps for a per-program tile of ``elements`` values: about 16-32
+    values per thread, 1 to 8 warps."""
+    return max(1, min(8, next_power_of_2(elements) // 512))
+
+
+def cdiv(a: int, b: int) -> int:
+    return pl.cdiv(a, b)

@@ -1,0 +1,429 @@
+"""Pallas reductions over positional axes: sum, max, min, prod, logsumexp.
+
+Reference: :func:`nxops.kernels.xla.reduce.reduce` (``jnp.<op>(x, axis=axes)``).
+
+The wrapper views ``x`` as ``[outer, reduced, inner]`` without moving data
+when the reduced axes are contiguous, and transposes only for non-contiguous
+axis sets (reduced axes moved last). Then one of two kernels reads the input
+exactly once:
+
+- *row* reduction (``inner == 1``): ``[outer, reduced] -> [outer]``;
+  a single long row (``outer`` small) is first split into several rows whose
+  partial results (f32) are reduced by a second, tiny call;
+- *column* reduction (``inner > 1``): ``[outer, reduced, inner] -> [outer, inner]``.
+
+Accumulation is in f32; edge blocks are masked with the identity of the op;
+``max``/``min`` propagate NaN like ``jnp`` (Triton's own max drops NaN, so the
+Triton kernels combine with an explicit NaN-propagating select);
+``logsumexp`` is one pass: a running max and a sum rescaled when the max grows,
+with ``jax.nn.logsumexp``'s treatment of infinite maxima.
+
+Supported: float32, bfloat16, float16 (not on TPU), non-empty arrays. Integer
+inputs are declared unsupported (``auto`` uses xla for them). The gradient
+(custom VJP) is the reference's: written out for sum/max/min/logsumexp, and
+the reference's own VJP for prod (which handles zeros).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as plgpu
+
+from nxops.kernels._registry import Kernel, register
+from nxops.kernels.pallas import _common
+from nxops.kernels.pallas._common import Target
+from nxops.kernels.xla import reduce as xla_reduce
+
+F32 = jnp.float32
+
+
+# ---------------------------------------------------------------------------
+# The ops: identity, elementwise combine, and a reduction of one block axis
+
+
+def _nan_max(a, b):
+    return jnp.where((a > b) | (a != a), a, b)
+
+
+def _nan_min(a, b):
+    return jnp.where((a < b) | (a != a), a, b)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Monoid:
+    identity: float
+    combine: Callable
+
+
+_MONOIDS = {
+    "sum": _Monoid(0.0, jnp.add),
+    "max": _Monoid(-math.inf, _nan_max),
+    "min": _Monoid(math.inf, _nan_min),
+    "prod": _Monoid(1.0, jnp.multiply),
+    # logsumexp's max pass; its sum pass is "sum".
+    "logsumexp": _Monoid(-math.inf, _nan_max),
+}
+
+
+def _halving_reduce(v, axis: int, combine: Callable):
+    """Reduces a power-of-two ``axis`` by combining halves (keepdims)."""
+    while v.shape[axis] > 1:
+        lo, hi = jnp.split(v, 2, axis=axis)
+        v = combine(lo, hi)
+    return v
+
+
+def _reduce_block(v, axis: int, op: str, style: str):
+    """Reduces ``v`` along ``axis`` (keepdims) with ``op``'s monoid.
+
+    Triton lowers ``jnp.max`` with NaN-dropping ``maxnumf`` and has no product
+    reduction, so it combines halves; Mosaic's max/min/sum reductions
+    propagate NaN and are used directly (its prod halves too).
+    """
+    if op == "sum" or (style == "mosaic" and op in ("max", "min", "logsumexp")):
+        fn = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min, "logsumexp": jnp.max}[op]
+        return fn(v, axis=axis, keepdims=True)
+    return _halving_reduce(v, axis, _MONOIDS[op].combine)
+
+
+def _finite_or_zero(m):
+    """``jax.nn.logsumexp`` shifts by the max only where it is finite."""
+    return jnp.where(jnp.isfinite(m), m, 0.0)
+
+
+def _lse_update(m, s, x, axis: int, style: str):
+    """One logsumexp step: running max ``m`` and sum ``s`` (scaled by
+    ``exp(-finite(m))``) absorb block ``x`` reduced along ``axis``."""
+    m_new = _nan_max(m, _reduce_block(x, axis, "logsumexp", style))
+    shift, shift_new = _finite_or_zero(m), _finite_or_zero(m_new)
+    # s == 0 (nothing but -inf so far) must stay 0 even if exp() overflows.
+    s = jnp.where(s == 0, 0.0, s * jnp.exp(shift - shift_new))
+    s = s + jnp.sum(jnp.exp(x - shift_new), axis=axis, keepdims=True)
+    return m_new, s
+
+
+def _lse_finish(m, s):
+    return jnp.log(s) + _finite_or_zero(m)
+
+
+# ---------------------------------------------------------------------------
+# Row reduction [outer, reduced] -> [outer]
+
+
+def _row_kernel_triton(x_ref, o_ref, *, op: str, bo: int, br: int):
+    n_outer, n_reduced = x_ref.shape
+    i = pl.program_id(0)
+    rows = i * bo + lax.broadcasted_iota(jnp.int32, (bo, br), 0)
+    identity = _MONOIDS[op].identity
+
+    def load(j):
+        cols = j * br + lax.broadcasted_iota(jnp.int32, (bo, br), 1)
+        mask = (rows < n_outer) & (cols < n_reduced)
+        block = x_ref.at[pl.ds(i * bo, bo), pl.ds(j * br, br)]
+        return plgpu.load(block, mask=mask, other=identity).astype(F32)
+
+    n_steps = pl.cdiv(n_reduced, br)
+    if op == "logsumexp":
+        def step(j, carry):
+            return _lse_update(*carry, load(j), 1, "triton")
+        init = (jnp.full((bo, 1), -jnp.inf, F32), jnp.zeros((bo, 1), F32))
+        result = _lse_finish(*lax.fori_loop(0, n_steps, step, init))
+    else:
+        combine = _MONOIDS[op].combine
+        acc = lax.fori_loop(0, n_steps, lambda j, acc: combine(acc, load(j)),
+                            jnp.full((bo, br), identity, F32))
+        result = _reduce_block(acc, 1, op, "triton")
+    out_rows = i * bo + jnp.arange(bo)
+    plgpu.store(o_ref.at[pl.ds(i * bo, bo)], result[:, 0].astype(o_ref.dtype),
+                mask=out_rows < n_outer)
+
+
+def _row_kernel_mosaic(x_ref, o_ref, acc_ref, sum_ref=None, *, op: str, n_reduced: int):
+    j = pl.program_id(1)
+    bo, br = x_ref.shape
+    monoid = _MONOIDS[op]
+    x = x_ref[...].astype(F32)
+    if n_reduced % br:  # mask the tail of the last block (garbage past the end)
+        cols = j * br + lax.broadcasted_iota(jnp.int32, (bo, br), 1)
+        x = jnp.where(cols < n_reduced, x, monoid.identity)
+
+    @pl.when(j == 0)
+    def _init():
+        acc_ref[...] = jnp.full(acc_ref.shape, monoid.identity, F32)
+        if sum_ref is not None:
+            sum_ref[...] = jnp.zeros(sum_ref.shape, F32)
+
+    if op == "logsumexp":
+        acc_ref[...], sum_ref[...] = _lse_update(acc_ref[...], sum_ref[...], x, 1, "mosaic")
+    else:
+        acc_ref[...] = monoid.combine(acc_ref[...], _reduce_block(x, 1, op, "mosaic"))
+
+    @pl.when(j == pl.num_programs(1) - 1)
+    def _finish():
+        result = acc_ref[...] if op != "logsumexp" else _lse_finish(acc_ref[...], sum_ref[...])
+        o_ref[...] = result.astype(o_ref.dtype)
+
+
+def _row_reduce_call(x2, op: str, target: Target, out_dtype) -> jax.Array:
+    """One kernel call: ``[outer, reduced] -> [outer]`` in ``out_dtype``."""
+    n_outer, n_reduced = x2.shape
+    style = target.style
+    pow2 = op == "prod"
+    if style == "triton":
+        br = _common.block_size(style, n_reduced, "cols")
+        bo = _common.block_size(style, n_outer, "rows")
+        bo = min(bo, max(1, _common.cap(style, "tile") // br))
+        kernel = functools.partial(_row_kernel_triton, op=op, bo=bo, br=br)
+        return pl.pallas_call(
+            kernel, out_shape=jax.ShapeDtypeStruct((n_outer,), out_dtype),
+            grid=(_common.cdiv(n_outer, bo),), name=f"nxops_reduce_rows_{op}",
+            **_common.call_kwargs(target, num_warps=_common.num_warps_for(bo * br)),
+        )(x2)
+    br = _common.block_size(style, n_reduced, "cols", power_of_2=pow2, align=128)
+    bo = _common.block_size(style, n_outer, "rows", align=8)
+    scratch = [pltpu.VMEM((bo, 1), F32)] * (2 if op == "logsumexp" else 1)
+    out = pl.pallas_call(
+        functools.partial(_row_kernel_mosaic, op=op, n_reduced=n_reduced),
+        out_shape=jax.ShapeDtypeStruct((n_outer, 1), out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=0,
+            grid=(_common.cdiv(n_outer, bo), _common.cdiv(n_reduced, br)),
+            in_specs=[pl.BlockSpec((bo, br), lambda i, j: (i, j))],
+            out_specs=pl.BlockSpec((bo, 1), lambda i, j: (i, 0)),
+            scratch_shapes=scratch),
+        name=f"nxops_reduce_rows_{op}",
+        **_common.call_kwargs(target, dimension_semantics=("parallel", "arbitrary")),
+    )(x2)
+    return out[:, 0]
+
+
+def _row_split(n_outer: int, n_reduced: int, style: str) -> int:
+    """How many rows to cut each row into, so that a few long rows spread over
+    many programs (GPU) / full sublanes (TPU): a power of two dividing the row,
+    keeping pieces at least a block long, up to ~256 rows in all."""
+    split, piece_floor = 1, _common.cap(style, "cols")
+    while (n_outer * split * 2 <= 256 and n_reduced % (split * 2) == 0
+           and n_reduced // (split * 2) >= piece_floor):
+        split *= 2
+    return split
+
+
+def _row_reduce(x2, op: str, target: Target) -> jax.Array:
+    n_outer, n_reduced = x2.shape
+    split = _row_split(n_outer, n_reduced, target.style)
+    if split == 1:
+        return _row_reduce_call(x2, op, target, x2.dtype)
+    # Partial results of each piece (f32), then their reduction: logsumexp of
+    # partial logsumexps is the logsumexp of the row.
+    partial = _row_reduce_call(x2.reshape(n_outer * split, n_reduced // split), op, target, F32)
+    return _row_reduce_call(partial.reshape(n_outer, split), op, target, x2.dtype)
+
+
+# ---------------------------------------------------------------------------
+# Column reduction [outer, reduced, inner] -> [outer, inner]
+
+
+def _column_kernel_triton(x_ref, o_ref, *, op: str, br: int, bi: int):
+    _, n_reduced, n_inner = x_ref.shape
+    o, k = pl.program_id(0), pl.program_id(1)
+    cols = k * bi + lax.broadcasted_iota(jnp.int32, (br, bi), 1)
+    identity = _MONOIDS[op].identity
+
+    def load(j):
+        rows = j * br + lax.broadcasted_iota(jnp.int32, (br, bi), 0)
+        block = x_ref.at[o, pl.ds(j * br, br), pl.ds(k * bi, bi)]
+        return plgpu.load(block, mask=(rows < n_reduced) & (cols < n_inner),
+                          other=identity).astype(F32)
+
+    n_steps = pl.cdiv(n_reduced, br)
+    if op == "logsumexp":
+        init = (jnp.full((1, bi), -jnp.inf, F32), jnp.zeros((1, bi), F32))
+        result = _lse_finish(*lax.fori_loop(
+            0, n_steps, lambda j, carry: _lse_update(*carry, load(j), 0, "triton"), init))
+    else:
+        combine = _MONOIDS[op].combine
+        acc = lax.fori_loop(0, n_steps, lambda j, acc: combine(acc, load(j)),
+                            jnp.full((br, bi), identity, F32))
+        result = _reduce_block(acc, 0, op, "triton")
+    out_cols = k * bi + jnp.arange(bi)
+    plgpu.store(o_ref.at[o, pl.ds(k * bi, bi)], result[0].astype(o_ref.dtype),
+                mask=out_cols < n_inner)
+
+
+def _column_kernel_mosaic(x_ref, o_ref, acc_ref, sum_ref=None, *, op: str, n_reduced: int):
+    j = pl.program_id(2)
+    br, bi = x_ref.shape
+    monoid = _MONOIDS[op]
+    x = x_ref[...].astype(F32)
+    if n_reduced % br:
+        rows = j * br + lax.broadcasted_iota(jnp.int32, (br, bi), 0)
+        x = jnp.where(rows < n_reduced, x, monoid.identity)
+
+    @pl.when(j == 0)
+    def _init():
+        acc_ref[...] = jnp.full(acc_ref.shape, monoid.identity, F32)
+        if sum_ref is not None:
+            sum_ref[...] = jnp.zeros(sum_ref.shape, F32)
+
+    if op == "logsumexp":
+        acc_ref[...], sum_ref[...] = _lse_update(acc_ref[...], sum_ref[...], x, 0, "mosaic")
+    else:
+        acc_ref[...] = monoid.combine(acc_ref[...], _reduce_block(x, 0, op, "mosaic"))
+
+    @pl.when(j == pl.num_programs(2) - 1)
+    def _finish():
+        result = acc_ref[...] if op != "logsumexp" else _lse_finish(acc_ref[...], sum_ref[...])
+        o_ref[...] = result.astype(o_ref.dtype)
+
+
+def _column_reduce(x3, op: str, target: Target) -> jax.Array:
+    n_outer, n_reduced, n_inner = x3.shape
+    style = target.style
+    if style == "triton":
+        bi = _common.block_size(style, n_inner, "cols")
+        br = _common.block_size(style, n_reduced, "rows")
+        br = min(br, max(1, _common.cap(style, "tile") // bi))
+        return pl.pallas_call(
+            functools.partial(_column_kernel_triton, op=op, br=br, bi=bi),
+            out_shape=jax.ShapeDtypeStruct((n_outer, n_inner), x3.dtype),
+            grid=(n_outer, _common.cdiv(n_inner, bi)), name=f"nxops_reduce_columns_{op}",
+            **_common.call_kwargs(target, num_warps=_common.num_warps_for(br * bi)),
+        )(x3)
+    br = _common.block_size(style, n_reduced, "rows", power_of_2=op == "prod", align=8)
+    bi = _common.block_size(style, n_inner, "cols", align=128)
+    scratch = [pltpu.VMEM((1, bi), F32)] * (2 if op == "logsumexp" else 1)
+    out = pl.pallas_call(
+        functools.partial(_column_kernel_mosaic, op=op, n_reduced=n_reduced),
+        out_shape=jax.ShapeDtypeStruct((n_outer, 1, n_inner), x3.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=0,
+            grid=(n_outer, _common.cdiv(n_inner, bi), _common.cdiv(n_reduced, br)),
+            in_specs=[pl.BlockSpec((None, br, bi), lambda o, k, j: (o, j, k))],
+            out_specs=pl.BlockSpec((None, 1, bi), lambda o, k, j: (o, 0, k)),
+            scratch_shapes=scratch),
+        name=f"nxops_reduce_columns_{op}",
+        **_common.call_kwargs(target, dimension_semantics=("parallel", "parallel", "arbitrary")),
+    )(x3)
+    return out[:, 0, :]
+
+
+# ---------------------------------------------------------------------------
+# The wrapper: canonical view, then the row or column kernel
+
+
+def canonical_view(shape: tuple[int, ...], axes: tuple[int, ...]):
+    """``(permutation or None, (outer, reduced, inner))`` for reducing ``axes``
+    (sorted, non-negative) of ``shape``: no permutation when they are
+    contiguous, else the reduced axes are moved last (``inner == 1``)."""
+    kept = [d for d in range(len(shape)) if d not in axes]
+    size = lambda dims: math.prod(shape[d] for d in dims)  # noqa: E731
+    if not axes:
+        return None, (size(kept), 1, 1)
+    if list(axes) == list(range(axes[0], axes[-1] + 1)):
+        return None, (size(range(axes[0])), size(axes), size(range(axes[-1] + 1, len(shape))))
+    return tuple(kept) + tuple(axes), (size(kept), size(axes), 1)
+
+
+def _normalize_axes(axes, ndim: int) -> tuple[int, ...]:
+    return tuple(sorted(a % ndim if ndim else a for a in axes))
+
+
+def reduce_forward(x: jax.Array, axes: tuple[int, ...], op: str, target: Target) -> jax.Array:
+    """The kernel path of :func:`reduce` (no custom VJP)."""
+    axes = _normalize_axes(axes, x.ndim)
+    out_shape = tuple(n for d, n in enumerate(x.shape) if d not in axes)
+    permutation, (n_outer, n_reduced, n_inner) = canonical_view(x.shape, axes)
+    if permutation is not None:
+        x = jnp.transpose(x, permutation)
+    if n_inner == 1:
+        out = _row_reduce(x.reshape(n_outer, n_reduced), op, target)
+    else:
+        out = _column_reduce(x.reshape(n_outer, n_reduced, n_inner), op, target)
+    return out.reshape(out_shape)
+
+
+# ---------------------------------------------------------------------------
+# Public kernel with the reference's gradient
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _reduce(x, axes, op, platform, style):
+    return reduce_forward(x, axes, op, _common.target_for(platform, style))
+
+
+def _reduce_fwd(x, axes, op, platform, style):
+    out = _reduce(x, axes, op, platform, style)
+    return out, (x, out)
+
+
+def _reduce_bwd(axes, op, platform, style, residuals, g):
+    del platform, style
+    x, out = residuals
+    axes = _normalize_axes(axes, x.ndim)
+    expand = lambda v: jnp.expand_dims(v, axes)  # noqa: E731
+    if op == "sum":
+        dx = jnp.broadcast_to(expand(g), x.shape)
+    elif op in ("max", "min"):
+        # As JAX's reduce_max/min JVP: ties share the cotangent equally.
+        hits = (x == expand(out)).astype(g.dtype)
+        dx = hits * expand(g / jnp.sum(hits, axis=axes))
+    elif op == "logsumexp":
+        dx = expand(g) * jnp.exp(x - expand(out))
+    else:  # prod: the reference's VJP handles zeros exactly
+        _, vjp = jax.vjp(lambda v: xla_reduce.reduce(v, axes=axes, op=op), x)
+        (dx,) = vjp(g)
+    return (dx.astype(x.dtype),)
+
+
+_reduce.defvjp(_reduce_fwd, _reduce_bwd)
+
+
+def reduce(x: jax.Array, *, axes: tuple[int, ...], op: str, platform: str = "cpu") -> jax.Array:
+    """``jnp.<op>(x, axis=axes)`` as a Pallas kernel (see the module docstring).
+
+    ``platform``: ``"cpu"`` (interpret mode), ``"cuda"`` (Triton), ``"tpu"``
+    (Mosaic). Differentiable (custom VJP matching the reference's gradient).
+    """
+    return reduce_in_style(x, axes=axes, op=op, platform=platform, style=None)
+
+
+def reduce_in_style(x: jax.Array, *, axes: tuple[int, ...], op: str, platform: str = "cpu",
+                    style: str | None = None) -> jax.Array:
+    """:func:`reduce` with the kernel ``style`` chosen: interpret mode on CPU
+    runs either ("triton" or "mosaic"); the tests check both."""
+    if op not in xla_reduce.REDUCE_OPS:
+        raise ValueError(f"unknown reduction {op!r}; known: {xla_reduce.REDUCE_OPS}")
+    return _reduce(x, tuple(axes), op, platform, style)
+
+
+def not_supported_reasons(x, *, platform: str, axes, op: str, **params) -> list[str]:
+    """Why the Pallas reduction cannot take this case (empty: it can)."""
+    del params
+    reasons = []
+    dtype = jnp.dtype(x.dtype)
+    if dtype not in _common.FLOAT_DTYPES:
+        reasons.append(f"Pallas reductions take float32/bfloat16/float16 inputs, not {dtype} "
+                       "(integer and float64 reductions use xla)")
+    elif platform == "tpu" and dtype == jnp.float16:
+        reasons.append("float16 has no native TPU support; Pallas TPU reductions take f32/bf16")
+    if math.prod(x.shape) == 0:
+        reasons.append(f"zero-size input {tuple(x.shape)}: nothing for a kernel to do (xla returns the identity)")
+    if op not in xla_reduce.REDUCE_OPS:
+        reasons.append(f"unknown reduction {op!r}")
+    del axes
+    return reasons
+
+
+KERNEL = register(Kernel(
+    op="reduce", backend="pallas", platforms=_common.PLATFORMS, fn=reduce,
+    not_supported_reasons=not_supported_reasons,
+    description="Pallas row/column reduction (Triton on GPU, Mosaic on TPU, interpret on CPU)",
+))
