@@ -1,5 +1,20 @@
-"""nxops: named-axis ops for JAX."""
+"""nxops: named-axis ops for JAX.
+
+``nx.xmap`` with logical axis names, mesh tiling and serial loops; named
+reductions, einsum/pdot and collectives that run in Pallas/Triton/XLA kernels
+chosen by ``nx.kernels`` (``NXOPS_KERNELS``).
+"""
 from nxops._errors import NxopsError
 from nxops import kernels
+from nxops.ops import (
+    all_gather, all_to_all, axis_index, axis_size, einsum, logsumexp, max, mean, min, one_hot,
+    pdot, pmax, pmean, pmin, ppermute, prod, psum, psum_scatter, sum, tile, untile,
+)
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "NxopsError", "all_gather", "all_to_all", "axis_index", "axis_size", "einsum", "kernels",
+    "logsumexp", "max", "mean", "min", "one_hot", "pdot", "pmax", "pmean", "pmin", "ppermute",
+    "prod", "psum", "psum_scatter", "sum", "tile", "untile",
+]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 from typing import Any, Callable, Iterator, Sequence
 
 from jax._src import config as _jax_config
@@ -205,13 +206,13 @@ class Choice:
         return text
 
 
-def _reasons(kernel: Kernel, platform: str, avals: Sequence[Any], params: dict) -> tuple[str, ...]:
+def _reasons(kernel: Kernel, platform: str, avals: Sequence[Any], params: dict, /) -> tuple[str, ...]:
     if platform not in kernel.platforms:
         return (f"it runs on {', '.join(kernel.platforms)}, not {platform}",)
     return tuple(kernel.not_supported_reasons(*avals, platform=platform, **params))
 
 
-def choose(op: str, platform: str, selection: Selection, avals: Sequence[Any],
+def choose(op: str, platform: str, selection: Selection, avals: Sequence[Any], /,
            **params: Any) -> Choice:
     """The kernel that runs ``op`` for this case on ``platform``.
 
@@ -270,8 +271,15 @@ class Report:
 
 _collectors: list[list[Report]] = []
 
+# A fresh value per `collect_reports` block; part of the trace context, so jit
+# caches cannot skip the tracing and lowering that make the reports.
+_COLLECTION_EPOCH = _jax_config.int_state(
+    "nxops_report_epoch", 0, "internal: forces a retrace while nxops collects kernel reports",
+    include_in_jit_key=True, include_in_trace_context=True)
+_epochs = itertools.count(1)
 
-def report(op: str, choice: Choice, avals: Sequence[Any], params: dict) -> None:
+
+def report(op: str, choice: Choice, avals: Sequence[Any], params: dict, /) -> None:
     """Called by lowering rules (and trace-time dispatch) with each choice."""
     del params
     if not _collectors:
@@ -287,6 +295,7 @@ def collect_reports() -> Iterator[list[Report]]:
     reports: list[Report] = []
     _collectors.append(reports)
     try:
-        yield reports
+        with _COLLECTION_EPOCH(next(_epochs)):
+            yield reports
     finally:
         _collectors.remove(reports)

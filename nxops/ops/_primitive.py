@@ -4,6 +4,10 @@ Each such primitive:
 - takes ``kernels`` (the selection string, read when the op is called: it is
   part of jit's cache key, so a jaxpr always carries the selection it was
   traced under);
+- may take *naming* parameters (e.g. ``axis_names``: vmap names not yet
+  batched into positional axes). Batching rules empty them; abstract
+  evaluation ignores them (a vmapped name is not a dim of the aval) and
+  lowering requires them empty;
 - has the abstract evaluation of its ``xla`` reference (so shapes, dtypes,
   shardings and shard_map's varying-axes types follow JAX's own rules);
 - lowers, per platform, to the kernel that the registry picks for the case.
@@ -11,13 +15,14 @@ Each such primitive:
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from jax._src import api_util, dispatch
 from jax._src.interpreters import partial_eval as pe
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
+from nxops._errors import NxopsError
 from nxops.kernels import _registry
 
 
@@ -26,31 +31,48 @@ def selection_param() -> str:
     return str(_registry.current_selection())
 
 
-def abstract_eval_of(reference: Callable[..., Any]):
-    def abstract_eval(*avals, kernels, **params):
-        del kernels
-        fn = functools.partial(reference, **params)
-        info = api_util.debug_info("nxops abstract eval", reference, avals, {})
-        (out,) = pe.abstract_eval_fun(fn, *avals, debug_info=info)
-        return out
-    return abstract_eval
+def _kernel_params(params: dict, naming_params: Sequence[str]) -> dict:
+    return {k: v for k, v in params.items() if k not in naming_params and k != "kernels"}
 
 
-def _lower_with_kernel(ctx, *args, op: str, platform: str, kernels: str, **params):
+@functools.lru_cache(maxsize=4096)
+def _abstract_eval_cached(reference, avals, items):
+    params = dict(items)
+    fn = lambda *args: [reference(*args, **params)]  # noqa: E731  (a list: one output)
+    info = api_util.debug_info("nxops abstract eval", reference, avals, {})
+    (out,) = pe.abstract_eval_fun(fn, *avals, debug_info=info)
+    return out
+
+
+def _lower_with_kernel(ctx, *args, registry_op: str, platform: str, naming_params: Sequence[str],
+                       kernels: str, **params):
+    pending = {k: params[k] for k in naming_params if params.get(k)}
+    if pending:
+        raise NxopsError(f"nxops op {registry_op!r} reached lowering with unbound names {pending}: "
+                         f"a named axis must be bound by an enclosing vmap, shard_map or xmap.")
+    params = _kernel_params(params, naming_params)
     selection = _registry.parse_selection(kernels)
-    choice = _registry.choose(op, platform, selection, ctx.avals_in, **params)
-    _registry.report(op, choice, ctx.avals_in, params)
+    choice = _registry.choose(registry_op, platform, selection, ctx.avals_in, **params)
+    _registry.report(registry_op, choice, ctx.avals_in, params)
     fn = functools.partial(choice.kernel.fn, platform=platform, **params)
     return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
 
 
-def kernel_primitive(name: str, op: str, reference: Callable[..., Any]) -> Primitive:
+def kernel_primitive(name: str, op: str, reference: Callable[..., Any],
+                     naming_params: Sequence[str] = ()) -> Primitive:
     """A primitive computing registry op ``op``; ``reference`` is its xla kernel."""
     prim = Primitive(name)
+    naming_params = tuple(naming_params)
+
+    def abstract_eval(*avals, **params):
+        items = tuple(sorted(_kernel_params(params, naming_params).items()))
+        return _abstract_eval_cached(reference, tuple(avals), items)
+
     prim.def_impl(functools.partial(dispatch.apply_primitive, prim))
-    prim.def_abstract_eval(abstract_eval_of(reference))
+    prim.def_abstract_eval(abstract_eval)
     for platform in _registry.PLATFORMS:
         mlir.register_lowering(
-            prim, functools.partial(_lower_with_kernel, op=op, platform=platform),
+            prim, functools.partial(_lower_with_kernel, registry_op=op, platform=platform,
+                                    naming_params=naming_params),
             platform=platform)
     return prim

@@ -11,9 +11,14 @@ ALL_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
 
 def all_gather(x: jax.Array, axis_name, *, axis: int, tiled: bool, platform: str = "cpu") -> jax.Array:
-    """``lax.all_gather``: one all-gather over ``axis_name`` (a name or tuple)."""
+    """``lax.all_gather``: one all-gather over ``axis_name`` (a name or tuple).
+
+    The result is typed invariant (replicated) over ``axis_name``, so it can
+    leave a ``shard_map`` with ``out_specs=P()`` under ``check_vma=True``;
+    ``x`` must be varying over ``axis_name``.
+    """
     del platform
-    return lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
+    return lax.all_gather(x, axis_name, axis=axis, tiled=tiled, to="invarying")
 
 
 def reduce_scatter(x: jax.Array, axis_name, *, scatter_dimension: int, tiled: bool,

@@ -1,0 +1,253 @@
+"""Named collectives and tiling: ``nx.all_gather``, ``nx.psum_scatter``,
+``nx.all_to_all``, ``nx.ppermute``, ``nx.tile``, ``nx.untile``, and the axis
+queries ``nx.axis_index``, ``nx.axis_size``, ``nx.one_hot``.
+
+A logical name resolves to physical axes, major to minor: mesh axes first,
+then the vmap tile (that is how ``nx.xmap`` lays them out). The vmap part is
+local work (JAX's batching rules turn it into reshapes); the mesh part is one
+collective over all the mesh axes of the name, whose implementation the
+registry picks when the op is traced (from the mesh's platform).
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.interpreters import ad, batching
+
+from nxops._errors import NxopsError
+from nxops.kernels import _registry
+from nxops.ops import _axis_env
+from nxops.kernels.xla import tile as xla_tile
+from nxops.ops._primitive import kernel_primitive, selection_param
+
+
+def _physical(axis_name, op: str, *, allow_loop=False):
+    names = _axis_env.as_name_tuple(axis_name)
+    for n in names:
+        if isinstance(n, int):
+            raise NxopsError(f"nx.{op}: axis_name {axis_name!r} must name axes, not positions.")
+    physical = _axis_env.resolve(names, op=f"nx.{op}", allow_loop=allow_loop)
+    vmap_names, mesh_names = _axis_env.split_vmap_and_mesh(physical, op=f"nx.{op}")
+    if vmap_names and mesh_names and physical != mesh_names + vmap_names:
+        # Mixed names in minor-mesh order: fall back to JAX's own collective.
+        return physical, (), ()
+    return physical, vmap_names, mesh_names
+
+
+def _mesh_platform() -> str:
+    """Platform of the devices the collective runs on."""
+    from jax._src import mesh as _mesh
+    concrete = _mesh.get_concrete_mesh()
+    if concrete is not None and getattr(concrete, "devices", None) is not None and concrete.devices.size:
+        return concrete.devices.flat[0].platform
+    return jax.devices()[0].platform
+
+
+def _mesh_kernel(op: str, x, **params):
+    platform = _mesh_platform()
+    choice = _registry.choose(op, platform, _registry.current_selection(), (jax.typeof(x),), **params)
+    _registry.report(op, choice, (jax.typeof(x),), params)
+    return choice.kernel.fn
+
+
+def _ensure_varying(x, mesh_names):
+    """Collectives over mesh axes take values that vary over them (check_vma)."""
+    invariant = tuple(n for n in mesh_names if n not in jax.typeof(x).manual_axis_type.varying)
+    return lax.pcast(x, invariant, to="varying") if invariant else x
+
+
+def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False):
+    """Gathers ``x`` along named ``axis_name`` (``lax.all_gather``'s semantics).
+
+    Over mesh axes it is one all-gather (never an all-reduce of a padded
+    buffer); the result is replicated over them.
+    """
+    x = jnp.asarray(x)
+    rank = x.ndim if tiled else x.ndim + 1
+    if not -rank <= axis < rank:
+        raise NxopsError(f"nx.all_gather: axis {axis} is out of range for a result of rank {rank} "
+                         f"(x has shape {x.shape}, tiled={tiled}).")
+    axis %= rank
+    physical, vmap_names, mesh_names = _physical(axis_name, "all_gather")
+    if not vmap_names and not mesh_names:
+        return lax.all_gather(x, physical, axis=axis, tiled=tiled)
+    if not tiled:
+        x = jnp.expand_dims(x, axis)
+    if vmap_names:  # minor names first: a local gather (batching makes it a reshape)
+        x = lax.all_gather(x, vmap_names, axis=axis, tiled=True)
+    if mesh_names:
+        mesh_axis = mesh_names if len(mesh_names) > 1 else mesh_names[0]
+        fn = _mesh_kernel("all_gather", x, axis_name=mesh_axis, axis=axis, tiled=True)
+        x = fn(_ensure_varying(x, mesh_names), mesh_axis, axis=axis, tiled=True, platform=_mesh_platform())
+    return x
+
+
+def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = False):
+    """Sums ``x`` over ``axis_name`` and scatters the result along
+    ``scatter_dimension`` (``lax.psum_scatter``'s semantics): one
+    reduce-scatter over mesh axes."""
+    x = jnp.asarray(x)
+    if not -x.ndim <= scatter_dimension < x.ndim:
+        raise NxopsError(f"nx.psum_scatter: scatter_dimension {scatter_dimension} is out of range "
+                         f"for x of shape {x.shape}.")
+    dim = scatter_dimension % x.ndim
+    physical, vmap_names, mesh_names = _physical(axis_name, "psum_scatter")
+    total = 1
+    for n in physical:
+        total *= lax.axis_size(n)
+    if x.shape[dim] % total:
+        raise NxopsError(f"nx.psum_scatter: dim {dim} of x (shape {x.shape}) has size {x.shape[dim]}, "
+                         f"not divisible by the size {total} of {axis_name!r}.")
+    if not tiled and x.shape[dim] != total:
+        raise NxopsError(f"nx.psum_scatter: with tiled=False dim {dim} of x (shape {x.shape}) must "
+                         f"have the size {total} of {axis_name!r}; use tiled=True to scatter tiles.")
+    if not vmap_names and not mesh_names:
+        return lax.psum_scatter(x, physical, scatter_dimension=dim, tiled=tiled)
+    if mesh_names:  # major names first: one reduce-scatter over the mesh
+        mesh_axis = mesh_names if len(mesh_names) > 1 else mesh_names[0]
+        fn = _mesh_kernel("reduce_scatter", x, axis_name=mesh_axis, scatter_dimension=dim, tiled=True)
+        x = fn(_ensure_varying(x, mesh_names), mesh_axis, scatter_dimension=dim, tiled=True,
+               platform=_mesh_platform())
+    if vmap_names:
+        x = lax.psum_scatter(x, vmap_names, scatter_dimension=dim, tiled=True)
+    return x if tiled else jnp.squeeze(x, dim)
+
+
+def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, tiled: bool = False):
+    """``lax.all_to_all`` over named ``axis_name`` (one all-to-all over mesh axes)."""
+    physical, _, _ = _physical(axis_name, "all_to_all")
+    axis = physical if len(physical) > 1 else physical[0]
+    return lax.all_to_all(x, axis, split_axis, concat_axis, tiled=tiled)
+
+
+def ppermute(x, axis_name, perm):
+    """``lax.ppermute`` over named ``axis_name``: ``perm`` pairs (source, destination)
+    positions along the (logical) axis."""
+    physical, _, _ = _physical(axis_name, "ppermute")
+    size = axis_size(axis_name)
+    perm = [tuple(p) for p in perm]
+    for src, dst in perm:
+        if not (0 <= src < size and 0 <= dst < size):
+            raise NxopsError(f"nx.ppermute: pair {(src, dst)} of perm is out of range for "
+                             f"{axis_name!r} of size {size}.")
+    for which, idx in (("source", 0), ("destination", 1)):
+        vals = [p[idx] for p in perm]
+        if len(set(vals)) != len(vals):
+            raise NxopsError(f"nx.ppermute: perm {perm} repeats a {which}; each position may "
+                             f"send and receive at most once.")
+    axis = physical if len(physical) > 1 else physical[0]
+    return lax.ppermute(x, axis, perm)
+
+
+def axis_index(axis_name):
+    """This position along named ``axis_name`` (logical names combine their
+    physical axes major to minor)."""
+    physical = _axis_env.resolve(_axis_env.as_name_tuple(axis_name), op="nx.axis_index",
+                                 allow_loop=True)
+    _axis_env.split_vmap_and_mesh(physical, op="nx.axis_index")
+    return lax.axis_index(physical if len(physical) > 1 else physical[0])
+
+
+def axis_size(axis_name) -> int:
+    """The size of named ``axis_name`` (a static int)."""
+    physical = _axis_env.resolve(_axis_env.as_name_tuple(axis_name), op="nx.axis_size",
+                                 allow_loop=True)
+    _axis_env.split_vmap_and_mesh(physical, op="nx.axis_size")
+    size = 1
+    for n in physical:
+        size *= _axis_env.physical_axis_size(n)
+    return size
+
+
+def one_hot(x, num_classes: int | None = None, *, axis=-1, dtype=jnp.float32):
+    """``jax.nn.one_hot``, where ``axis`` may be a name: the result then varies
+    along that named axis (``x == axis_index(axis)``), as in the old xmap."""
+    if isinstance(axis, int):
+        if num_classes is None:
+            raise NxopsError("nx.one_hot: num_classes is needed for a positional axis.")
+        return jax.nn.one_hot(x, num_classes, dtype=dtype, axis=axis)
+    size = axis_size(axis)
+    if num_classes is not None and num_classes != size:
+        raise NxopsError(f"nx.one_hot: num_classes={num_classes} differs from the size {size} of "
+                         f"named axis {axis!r}; omit num_classes for a named axis.")
+    return (jnp.asarray(x)[...] == axis_index(axis)).astype(dtype)
+
+
+# --- tile / untile -----------------------------------------------------------
+
+tile_p = kernel_primitive("nx_tile", "tile", xla_tile.tile)
+
+
+def _tile_batcher(vals_in, dims_in, *, dim, count, kernels):
+    (x, index), (dx, di) = vals_in, dims_in
+    if di is not None:
+        out = jax.vmap(lambda a, i: xla_tile.tile(a, i, dim=dim, count=count),
+                       in_axes=(dx, di))(x, index)
+        return out, 0
+    x = jnp.moveaxis(x, dx, 0)
+    return tile_p.bind(x, index, dim=dim + 1, count=count, kernels=kernels), 0
+
+
+batching.primitive_batchers[tile_p] = _tile_batcher
+
+
+def _tile_jvp(primals, tangents, *, dim, count, kernels):
+    (x, index), (t, _) = primals, tangents
+    out = tile_p.bind(x, index, dim=dim, count=count, kernels=kernels)
+    if type(t) is ad.Zero:
+        return out, ad.Zero.from_primal_value(out)
+    return out, tile_p.bind(t, index, dim=dim, count=count, kernels=kernels)
+
+
+def _tile_transpose(ct, x, index, *, dim, count, kernels):
+    del kernels
+    size = x.aval.shape[dim] // count
+    zeros = jnp.zeros(x.aval.shape, x.aval.dtype)
+    ct_x = lax.dynamic_update_slice_in_dim(zeros, ct, index * size, dim)
+    # x was replicated over the mesh axes the index varies over: sum the tiles.
+    extra = tuple(jax.typeof(ct_x).manual_axis_type.varying - x.aval.manual_axis_type.varying)
+    return (lax.psum(ct_x, extra) if extra else ct_x), None
+
+
+ad.primitive_jvps[tile_p] = _tile_jvp
+ad.primitive_transposes[tile_p] = _tile_transpose
+
+
+def _check_tiling(x, axes: Mapping, op: str):
+    if not isinstance(axes, Mapping) or not axes:
+        raise NxopsError(f"nx.{op}: axes must be a non-empty dict {{name: dim}}, got {axes!r}.")
+    x = jnp.asarray(x)
+    for name, dim in axes.items():
+        if not isinstance(dim, int) or not -x.ndim <= dim < x.ndim:
+            raise NxopsError(f"nx.{op}: dim {dim!r} for {name!r} is not a dim of x with shape {x.shape}.")
+    return x
+
+
+def tile(x, axes: Mapping):
+    """This position's tile of ``x`` (replicated over the names) along each
+    ``{name: dim}``: ``x`` split into ``axis_size(name)`` equal tiles along
+    ``dim``. No communication: the inverse of ``untile``."""
+    x = _check_tiling(x, axes, "tile")
+    for name, dim in axes.items():
+        dim %= x.ndim
+        size = axis_size(name)
+        if x.shape[dim] % size:
+            raise NxopsError(f"nx.tile: dim {dim} of x (shape {x.shape}) has size {x.shape[dim]}, "
+                             f"not divisible by the size {size} of {name!r}.")
+        physical = _axis_env.resolve((name,), op="nx.tile", allow_loop=True)
+        index = lax.axis_index(physical if len(physical) > 1 else physical[0])
+        x = tile_p.bind(x, index.astype(jnp.int32), dim=dim, count=size, kernels=selection_param())
+    return x
+
+
+def untile(x, axes: Mapping):
+    """Gathers the tiles of ``x`` along each ``{name: dim}`` (one all-gather per
+    name over its mesh axes; local work for vmapped names). The result is
+    replicated over the names: the inverse of ``tile``."""
+    x = _check_tiling(x, axes, "untile")
+    for name, dim in axes.items():
+        x = all_gather(x, name, axis=dim % x.ndim, tiled=True)
+    return x

@@ -1,0 +1,124 @@
+"""The pairwise contraction primitive behind ``nx.einsum`` and ``nx.pdot``.
+
+``nx_dot_general`` is ``lax.dot_general`` plus ``contract_names``: vmap names
+that are summed over. Its batching rule turns such a name into a positional
+contracting dimension, and any other vmapped name into a batch or free
+dimension, exactly like ``lax.dot_general``'s. After vectorization the whole
+contraction is one positional dot_general, which the registry sends to a
+kernel (Pallas blocked matmul, Triton, or XLA).
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.interpreters import ad, batching
+
+from nxops.kernels.xla import dot_general as xla_dot_general
+from nxops.ops._primitive import kernel_primitive
+from nxops.ops._reduce import bind_reduce
+
+dot_general_p = kernel_primitive("nx_dot_general", "dot_general", xla_dot_general.dot_general,
+                                 naming_params=("contract_names",))
+
+
+def bind_dot_general(a, b, *, dimension_numbers, contract_names=(), precision=None,
+                     preferred_element_type=None, kernels):
+    (ac, bc), (ab, bb) = dimension_numbers
+    dims = ((tuple(ac), tuple(bc)), (tuple(ab), tuple(bb)))
+    return dot_general_p.bind(a, b, dimension_numbers=dims, contract_names=tuple(contract_names),
+                              precision=precision, preferred_element_type=preferred_element_type,
+                              kernels=kernels)
+
+
+def _shift(dims, by=1):
+    return tuple(d + by for d in dims)
+
+
+def _front(x, d):
+    """Moves the batch dim ``d`` of ``x`` to the front."""
+    return jnp.moveaxis(x, d, 0)
+
+
+def _dot_batcher(axis_data, vals_in, dims_in, *, dimension_numbers, contract_names, **params):
+    (a, b), (da, db) = vals_in, dims_in
+    (ac, bc), (ab, bb) = dimension_numbers
+    name, size = axis_data.name, axis_data.size
+    if name in contract_names:
+        rest = tuple(n for n in contract_names if n != name)
+        if da is None and db is None:
+            # Both replicated along the name: the sum of `size` equal terms.
+            out = bind_dot_general(a, b, dimension_numbers=dimension_numbers,
+                                   contract_names=rest, **params)
+            return out * jnp.asarray(size, out.dtype), None
+        a = jnp.broadcast_to(a, (size, *a.shape)) if da is None else _front(a, da)
+        b = jnp.broadcast_to(b, (size, *b.shape)) if db is None else _front(b, db)
+        dims = (((0,) + _shift(ac), (0,) + _shift(bc)), (_shift(ab), _shift(bb)))
+        return bind_dot_general(a, b, dimension_numbers=dims, contract_names=rest, **params), None
+    if da is None and db is None:
+        return bind_dot_general(a, b, dimension_numbers=dimension_numbers,
+                                contract_names=contract_names, **params), None
+    if da is not None and db is not None:
+        dims = ((_shift(ac), _shift(bc)), ((0,) + _shift(ab), (0,) + _shift(bb)))
+        out = bind_dot_general(_front(a, da), _front(b, db), dimension_numbers=dims,
+                               contract_names=contract_names, **params)
+        return out, 0
+    n_batch = len(ab)
+    if da is not None:
+        # The new dim is a's first free dim: right after the batch dims.
+        dims = ((_shift(ac), bc), (_shift(ab), bb))
+        out = bind_dot_general(_front(a, da), b, dimension_numbers=dims,
+                               contract_names=contract_names, **params)
+        return out, n_batch
+    a_free = a.ndim - len(ac) - len(ab)
+    dims = ((ac, _shift(bc)), (ab, _shift(bb)))
+    out = bind_dot_general(a, _front(b, db), dimension_numbers=dims,
+                           contract_names=contract_names, **params)
+    return out, n_batch + a_free
+
+
+batching.fancy_primitive_batchers[dot_general_p] = _dot_batcher
+
+
+# --- differentiation: bilinear, so the transposes are dot_generals too -------
+
+
+def _remaining(n, *dim_lists):
+    used = {d for dims in dim_lists for d in dims}
+    return [d for d in range(n) if d not in used]
+
+
+def _transpose_lhs(ct, x, y, *, dimension_numbers, contract_names, precision,
+                   preferred_element_type, kernels, swap_ans=False):
+    """Cotangent of ``x`` in ``dot_general(x, y)`` (lax's rule, with names)."""
+    del preferred_element_type
+    (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
+    x_aval = x.aval
+    y_ndim = jnp.ndim(y)
+    x_kept = _remaining(x_aval.ndim, x_contract, x_batch)
+    y_kept = _remaining(y_ndim, y_contract, y_batch)
+    nb = len(x_batch)
+    if swap_ans:
+        ans_y = tuple(range(nb, nb + len(y_kept)))
+    else:
+        ans_y = tuple(range(nb + len(x_kept), nb + len(x_kept) + len(y_kept)))
+    dims = ((ans_y, tuple(y_kept)), (tuple(range(nb)), tuple(y_batch)))
+    # The result's last dims are y's contracting dims in increasing order.
+    x_contract_sorted_by_y = [x_contract[i] for i in np.argsort(y_contract)]
+    out_axes = np.argsort(list(x_batch) + x_kept + x_contract_sorted_by_y)
+    x_bar = bind_dot_general(ct, y, dimension_numbers=dims, precision=precision,
+                             preferred_element_type=x_aval.dtype, kernels=kernels)
+    x_bar = lax.transpose(x_bar, tuple(int(a) for a in out_axes))
+    if contract_names:
+        # Like lax.psum's transpose: a named contraction is psum + broadcast.
+        x_bar = bind_reduce(x_bar, axes=(), op="sum", axis_names=contract_names, kernels=kernels)
+    return x_bar.astype(x_aval.dtype)
+
+
+def _transpose_rhs(ct, x, y, *, dimension_numbers, **params):
+    (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
+    swapped = ((y_contract, x_contract), (y_batch, x_batch))
+    return _transpose_lhs(ct, y, x, dimension_numbers=swapped, swap_ans=True, **params)
+
+
+ad.defbilinear(dot_general_p, _transpose_lhs, _transpose_rhs)

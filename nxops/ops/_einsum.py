@@ -1,0 +1,249 @@
+"""``nx.einsum`` and ``nx.pdot``: contractions over positional and named axes.
+
+Names are resolved to physical axes. Manual mesh axes are taken out of the
+local problem: the local einsum runs on this device's shards, and one psum
+over the contracted mesh axes finishes it (einsum is multilinear, so summing
+the partial results is exact). The remaining labels (letters and vmap names)
+are contracted pairwise in ``opt_einsum``'s order with ``nx_dot_general``;
+labels that occur in one operand only and are not needed later are summed
+first with ``nx_reduce``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import jax.numpy as jnp
+import opt_einsum
+from jax import lax
+
+from nxops._errors import NxopsError
+from nxops.ops import _axis_env
+from nxops.ops._dot import bind_dot_general
+from nxops.ops._einsum_spec import ELLIPSIS, EinsumSpec, Term, parse_einsum_spec
+from nxops.ops._primitive import selection_param
+from nxops.ops._reduce import bind_reduce
+
+
+@dataclasses.dataclass
+class _Operand:
+    """A value during contraction: its positional labels and the vmap names it has."""
+
+    value: object
+    labels: list[str]
+    names: tuple[str, ...]
+
+
+def _expand_ellipsis(spec: EinsumSpec, operands) -> tuple[list[list[str]], list[str], list]:
+    """Positional labels per operand and for the result, with ``...`` replaced
+    by labels ``'0'``, ``'1'``, ... (right-aligned, numpy-style broadcasting)."""
+    n_ellipsis = 0
+    for term, x in zip(spec.inputs, operands):
+        ndim = jnp.ndim(x)
+        if term.has_ellipsis:
+            if ndim < len(term.letters):
+                raise NxopsError(f"nx.einsum {spec.text!r}: an operand of shape {jnp.shape(x)} has "
+                                 f"fewer dims than the letters of {_term_text(term)!r}.")
+            n_ellipsis = max(n_ellipsis, ndim - len(term.letters))
+        elif ndim != len(term.letters):
+            raise NxopsError(
+                f"nx.einsum {spec.text!r}: term {_term_text(term)!r} has {len(term.letters)} "
+                f"positional letters but its operand has shape {jnp.shape(x)} (rank {ndim}). "
+                f"Give one letter per positional dim (named axes are not dims of the operand), "
+                f"or use '...'.")
+    ellipsis_labels = [str(i) for i in range(n_ellipsis)]
+    labels_per_operand, new_operands = [], []
+    for term, x in zip(spec.inputs, operands):
+        own = ellipsis_labels[n_ellipsis - (jnp.ndim(x) - len(term.letters)):] if term.has_ellipsis else []
+        labels_per_operand.append(_splice(term, own))
+        new_operands.append(x)
+    out_labels = _splice(spec.output, ellipsis_labels)
+    new_operands = _broadcast_ellipsis(spec, new_operands, labels_per_operand, ellipsis_labels)
+    return labels_per_operand, out_labels, new_operands
+
+
+def _splice(term: Term, ellipsis_labels: list[str]) -> list[str]:
+    out: list[str] = []
+    for p in term.positional:
+        out.extend(ellipsis_labels if p == ELLIPSIS else [p])
+    return out
+
+
+def _broadcast_ellipsis(spec, operands, labels_per_operand, ellipsis_labels):
+    """Broadcasts size-1 ellipsis dims (numpy semantics) so sizes agree."""
+    sizes: dict[str, int] = {}
+    for x, labels in zip(operands, labels_per_operand):
+        for label, size in zip(labels, jnp.shape(x)):
+            if label in ellipsis_labels and size != 1:
+                if sizes.setdefault(label, size) != size:
+                    raise NxopsError(f"nx.einsum {spec.text!r}: the '...' dims of the operands "
+                                     f"do not broadcast ({[jnp.shape(o) for o in operands]}).")
+    out = []
+    for x, labels in zip(operands, labels_per_operand):
+        target = tuple(sizes.get(label, size) if label in ellipsis_labels else size
+                       for label, size in zip(labels, jnp.shape(x)))
+        out.append(jnp.broadcast_to(x, target) if target != jnp.shape(x) else x)
+    return out
+
+
+def _term_text(term: Term) -> str:
+    names = f"<{','.join(term.names)}>" if term.names else ""
+    return "".join(term.positional) + names
+
+
+def _check_sizes(spec: EinsumSpec, operands, labels_per_operand) -> None:
+    sizes: dict[str, int] = {}
+    for x, labels in zip(operands, labels_per_operand):
+        for label, size in zip(labels, jnp.shape(x)):
+            if sizes.setdefault(label, size) != size:
+                raise NxopsError(
+                    f"nx.einsum {spec.text!r}: letter {label!r} has size {sizes[label]} in one "
+                    f"operand and {size} in another (shapes {[jnp.shape(o) for o in operands]}).")
+
+
+def _take_diagonals(op: _Operand) -> _Operand:
+    """Repeated letters in one operand ('ii') select its diagonal."""
+    if len(set(op.labels)) == len(op.labels):
+        return op
+    unique = list(dict.fromkeys(op.labels))
+    symbols = {lab: opt_einsum.get_symbol(i) for i, lab in enumerate(unique)}
+    expr = "".join(symbols[lab] for lab in op.labels) + "->" + "".join(symbols[lab] for lab in unique)
+    return _Operand(jnp.einsum(expr, op.value), unique, op.names)
+
+
+def _sum_unneeded(op: _Operand, needed: set[str], kernels: str) -> _Operand:
+    axes = tuple(i for i, lab in enumerate(op.labels) if lab not in needed)
+    names = tuple(n for n in op.names if n not in needed)
+    if not axes and not names:
+        return op
+    value = bind_reduce(op.value, axes=axes, op="sum", axis_names=names, kernels=kernels)
+    return _Operand(value, [lab for lab in op.labels if lab in needed],
+                    tuple(n for n in op.names if n in needed))
+
+
+def _contract_pair(a: _Operand, b: _Operand, needed: set[str], kernels: str, precision,
+                   preferred_element_type) -> _Operand:
+    a = _sum_unneeded(a, needed | set(b.labels) | set(b.names), kernels)
+    b = _sum_unneeded(b, needed | set(a.labels) | set(a.names), kernels)
+    common = [lab for lab in a.labels if lab in b.labels]
+    batch = [lab for lab in common if lab in needed]
+    contract = [lab for lab in common if lab not in needed]
+    contract_names = tuple(n for n in a.names if n in b.names and n not in needed)
+    dims = ((tuple(a.labels.index(c) for c in contract), tuple(b.labels.index(c) for c in contract)),
+            (tuple(a.labels.index(c) for c in batch), tuple(b.labels.index(c) for c in batch)))
+    value = bind_dot_general(a.value, b.value, dimension_numbers=dims, contract_names=contract_names,
+                             precision=precision, preferred_element_type=preferred_element_type,
+                             kernels=kernels)
+    labels = batch + [lab for lab in a.labels if lab not in common] + \
+        [lab for lab in b.labels if lab not in common]
+    names = tuple(dict.fromkeys(n for n in a.names + b.names if n not in contract_names))
+    return _Operand(value, labels, names)
+
+
+def _contraction_order(operands: list[_Operand]) -> list[tuple[int, int]]:
+    if len(operands) <= 2:
+        return [(0, 1)] if len(operands) == 2 else []
+    labels = sorted({lab for op in operands for lab in op.labels + list(op.names)})
+    symbols = {lab: opt_einsum.get_symbol(i) for i, lab in enumerate(labels)}
+    sizes = {}
+    for op in operands:
+        for lab, size in zip(op.labels, jnp.shape(op.value)):
+            sizes[lab] = size
+        for name in op.names:
+            sizes[name] = _axis_env.physical_axis_size(name)
+    terms = ["".join(symbols[lab] for lab in op.labels + list(op.names)) for op in operands]
+    shapes = [tuple(sizes[lab] for lab in op.labels + list(op.names)) for op in operands]
+    path, _ = opt_einsum.contract_path(",".join(terms), *shapes, shapes=True, optimize="auto")
+    return [tuple(p) for p in path]
+
+
+def _resolve_term_names(spec: EinsumSpec, term: Term, contracted: set[str]):
+    vmap_names, mesh_names = [], []
+    for name in term.names:
+        physical = _axis_env.resolve((name,), op=f"nx.einsum {spec.text!r}",
+                                     allow_loop=name not in contracted)
+        v, m = _axis_env.split_vmap_and_mesh(physical, op=f"nx.einsum {spec.text!r}")
+        vmap_names += v
+        mesh_names += m
+    return tuple(vmap_names), tuple(mesh_names)
+
+
+def einsum(spec: str, *operands, precision=None, preferred_element_type=None):
+    """Einsum over positional letters and named axes.
+
+    ``spec`` is e.g. ``'n<b,k>,<k,m>->n<b,m>'`` (or xeinsum-style ``{b,k}``):
+    letters are positional dims, names in ``<...>`` are named axes; a name in
+    operands but not in the result is summed (across devices where it is
+    mapped to a mesh). Output dtype and ``precision`` as in ``jnp.einsum``.
+    """
+    parsed = parse_einsum_spec(spec)
+    if len(operands) != len(parsed.inputs):
+        raise NxopsError(f"nx.einsum {spec!r} has {len(parsed.inputs)} operand terms but was "
+                         f"given {len(operands)} operands.")
+    if not operands:
+        raise NxopsError("nx.einsum needs at least one operand.")
+    dtype = jnp.result_type(*operands)
+    operands = [jnp.asarray(x, dtype) for x in operands]
+    labels_per_operand, out_labels, operands = _expand_ellipsis(parsed, operands)
+    _check_sizes(parsed, operands, labels_per_operand)
+    in_names = {n for t in parsed.inputs for n in t.names}
+    contracted = in_names - set(parsed.output.names)
+    out_vmap, out_mesh = _resolve_term_names(parsed, parsed.output, contracted)
+    kernels = selection_param()
+    work, all_mesh = [], set()
+    for term, x, labels in zip(parsed.inputs, operands, labels_per_operand):
+        vmap_names, mesh_names = _resolve_term_names(parsed, term, contracted)
+        all_mesh.update(mesh_names)
+        work.append(_take_diagonals(_Operand(x, labels, vmap_names)))
+    needed_at_end = set(out_labels) | set(out_vmap)
+    for i, j in _contraction_order(work):
+        a, b = work[i], work[j]
+        rest = [op for k, op in enumerate(work) if k not in (i, j)]
+        needed = needed_at_end | {lab for op in rest for lab in op.labels + list(op.names)}
+        work = rest + [_contract_pair(a, b, needed, kernels, precision, preferred_element_type)]
+    (result,) = work
+    result = _sum_unneeded(result, needed_at_end, kernels)
+    value = result.value
+    if result.labels != out_labels:
+        value = jnp.transpose(value, [result.labels.index(lab) for lab in out_labels])
+    mesh_contracted = tuple(sorted(all_mesh - set(out_mesh)))
+    if mesh_contracted:
+        value = lax.psum(value, mesh_contracted)
+    return value
+
+
+def pdot(x, y, axis_name, *, pos_contract=((), ()), pos_batch=((), ()), precision=None):
+    """``lax.pdot``: contract ``x`` and ``y`` over named ``axis_name`` (a name or
+    tuple) and positional ``pos_contract``, batching over ``pos_batch``.
+
+    The result's dims are the batch dims, then x's, then y's remaining dims.
+    """
+    names = _axis_env.as_name_tuple(axis_name)
+    physical = _axis_env.resolve(names, op="nx.pdot")
+    vmap_names, mesh_names = _axis_env.split_vmap_and_mesh(physical, op="nx.pdot")
+    dtype = jnp.result_type(x, y)
+    x, y = jnp.asarray(x, dtype), jnp.asarray(y, dtype)
+    dims = _check_pdot_dims(x, y, pos_contract, pos_batch)
+    out = bind_dot_general(x, y, dimension_numbers=dims, contract_names=vmap_names,
+                           precision=precision, kernels=selection_param())
+    return lax.psum(out, mesh_names) if mesh_names else out
+
+
+def _check_pdot_dims(x, y, pos_contract, pos_batch):
+    try:
+        (xc, yc), (xb, yb) = pos_contract, pos_batch
+    except (TypeError, ValueError):
+        raise NxopsError(f"nx.pdot: pos_contract={pos_contract!r} and pos_batch={pos_batch!r} must "
+                         f"each be a pair (x_dims, y_dims).") from None
+    normalized = []
+    for dims, arr, which in ((xc, x, "x"), (yc, y, "y"), (xb, x, "x"), (yb, y, "y")):
+        dims = tuple(dims)
+        for d in dims:
+            if not -arr.ndim <= d < arr.ndim:
+                raise NxopsError(f"nx.pdot: dim {d} is out of range for {which} of shape {arr.shape}.")
+        normalized.append(tuple(d % arr.ndim for d in dims))
+    xc, yc, xb, yb = normalized
+    for a, b, what in ((xc, yc, "pos_contract"), (xb, yb, "pos_batch")):
+        if len(a) != len(b) or any(x.shape[i] != y.shape[j] for i, j in zip(a, b)):
+            raise NxopsError(f"nx.pdot: {what} dims {a} of x{list(x.shape)} and {b} of "
+                             f"y{list(y.shape)} must pair up with equal sizes.")
+    return (xc, yc), (xb, yb)
+

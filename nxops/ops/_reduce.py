@@ -1,0 +1,243 @@
+"""Named-axis reductions: ``nx.sum/max/min/mean/prod/logsumexp`` and
+``nx.psum/pmax/pmin/pmean``.
+
+``axis`` mixes positional ints and names. Positional axes and the names bound
+by enclosing ``vmap``s (xmap's local tiles included) are reduced by one
+``nx_reduce`` primitive: its batching rule turns each vmapped name into a
+positional axis, so after vectorization the whole reduction is positional and
+runs in the kernel the registry picks. Names that are manual mesh axes are
+then reduced by one XLA collective over all of them.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.interpreters import ad, batching
+
+from nxops._errors import NxopsError
+from nxops.kernels.xla import reduce as xla_reduce
+from nxops.ops import _axis_env
+from nxops.ops._primitive import kernel_primitive, selection_param
+
+reduce_p = kernel_primitive("nx_reduce", "reduce", xla_reduce.reduce,
+                            naming_params=("axis_names",))
+# Parameters: axes (positional, sorted), op, axis_names (vmap names still to be
+# batched into positional axes), kernels (the selection).
+
+
+def bind_reduce(x, *, axes, op, axis_names, kernels):
+    return reduce_p.bind(x, axes=tuple(sorted(axes)), op=op, axis_names=tuple(axis_names),
+                         kernels=kernels)
+
+
+# --- batching: a vmapped name becomes a positional axis --------------------
+
+
+def _reduce_batcher(axis_data, vals_in, dims_in, *, axes, op, axis_names, kernels):
+    (x,), (d,) = vals_in, dims_in
+    if axis_data.name in axis_names:
+        rest = tuple(n for n in axis_names if n != axis_data.name)
+        if d is None:
+            # Replicated along the name: reduce the copies.
+            x = jnp.broadcast_to(x, (axis_data.size, *x.shape))
+            d = 0
+        x = jnp.moveaxis(x, d, 0)
+        new_axes = (0,) + tuple(a + 1 for a in axes)
+        return bind_reduce(x, axes=new_axes, op=op, axis_names=rest, kernels=kernels), None
+    if d is None:
+        return bind_reduce(x, axes=axes, op=op, axis_names=axis_names, kernels=kernels), d
+    x = jnp.moveaxis(x, d, 0)
+    new_axes = tuple(a + 1 for a in axes)
+    return bind_reduce(x, axes=new_axes, op=op, axis_names=axis_names, kernels=kernels), 0
+
+
+batching.fancy_primitive_batchers[reduce_p] = _reduce_batcher
+
+
+# --- differentiation --------------------------------------------------------
+
+
+def _expand(y, axes):
+    return lax.expand_dims(y, axes) if axes else y
+
+
+def _sum_transpose(ct, x, *, axes, op, axis_names, kernels):
+    # Positional axes: broadcast back. Named axes: like lax.psum (psum +
+    # pbroadcast), the cotangent is summed over the names again.
+    aval = x.aval
+    if type(ct) is ad.Zero:
+        return (ad.Zero(aval),)
+    if axis_names:
+        ct = bind_reduce(ct, axes=(), op="sum", axis_names=axis_names, kernels=kernels)
+    ct = jnp.broadcast_to(_expand(ct, axes), aval.shape).astype(aval.dtype)
+    return (ct,)
+
+
+def _reduce_jvp(primals, tangents, *, axes, op, axis_names, kernels):
+    (x,), (t,) = primals, tangents
+    params = dict(axes=axes, axis_names=axis_names, kernels=kernels)
+    y = bind_reduce(x, op=op, **params)
+    if type(t) is ad.Zero:
+        return y, ad.Zero.from_primal_value(y)
+    if op == "sum":
+        return y, bind_reduce(t, op="sum", **params)
+    if op in ("max", "min"):
+        # Ties share the tangent equally, as jnp.max does.
+        mask = (x == _expand(y, axes)).astype(t.dtype)
+        count = bind_reduce(mask, op="sum", **params)
+        return y, bind_reduce(t * mask, op="sum", **params) / count
+    if op == "logsumexp":
+        weights = jnp.exp(x - _expand(y, axes).astype(x.dtype))
+        return y, bind_reduce(t * weights, op="sum", **params).astype(y.dtype)
+    if op == "prod":
+        # d prod = prod * sum(t / x); exact where x has no zeros (documented).
+        return y, y * bind_reduce(t / x, op="sum", **params)
+    raise NotImplementedError(op)
+
+
+ad.primitive_jvps[reduce_p] = _reduce_jvp
+ad.primitive_transposes[reduce_p] = _sum_transpose
+
+
+# --- the public functions ---------------------------------------------------
+
+_MESH_REDUCERS = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}
+
+
+def _split_axis_argument(x, axis, *, op: str) -> tuple[tuple[int, ...], tuple]:
+    """(positional axes normalised to non-negative, names) from ``axis``."""
+    items = axis if isinstance(axis, (tuple, list)) else (axis,)
+    ndim = jnp.ndim(x)
+    positional, names = [], []
+    for item in items:
+        if isinstance(item, bool) or item is None:
+            raise NxopsError(f"nx.{op}: axis {axis!r} contains {item!r}; use ints for "
+                             f"positional axes and strings for named axes.")
+        if isinstance(item, int):
+            if not -ndim <= item < ndim:
+                raise NxopsError(f"nx.{op}: positional axis {item} is out of range for an "
+                                 f"array of shape {jnp.shape(x)} (rank {ndim}).")
+            positional.append(item % ndim)
+        else:
+            names.append(item)
+    _axis_env.check_no_duplicates(positional, op=f"nx.{op}", what="axis")
+    _axis_env.check_no_duplicates(names, op=f"nx.{op}", what="axis")
+    return tuple(sorted(positional)), tuple(names)
+
+
+def _mesh_logsumexp(y, mesh_names):
+    top = lax.pmax(lax.stop_gradient(y), mesh_names)
+    top = jnp.where(jnp.isfinite(top), top, 0)
+    return top + jnp.log(lax.psum(jnp.exp(y - top), mesh_names))
+
+
+def _mesh_prod(y, mesh_names):
+    return jnp.prod(lax.all_gather(y, mesh_names, axis=0, tiled=False), axis=0)
+
+
+def reduce(x, axis, op: str, *, public_name: str | None = None):
+    """Reduces ``x`` with ``op`` over ``axis`` (ints, names, or a tuple of both)."""
+    name = public_name or op
+    x = jnp.asarray(x)
+    positional, logical = _split_axis_argument(x, axis, op=name)
+    physical = _axis_env.resolve(logical, op=f"nx.{name}")
+    _axis_env.check_no_duplicates(physical, op=f"nx.{name}", what="physical axes")
+    vmap_names, mesh_names = _axis_env.split_vmap_and_mesh(physical, op=f"nx.{name}")
+    y = x
+    if positional or vmap_names:
+        y = bind_reduce(y, axes=positional, op=op, axis_names=vmap_names,
+                         kernels=selection_param())
+    elif op == "logsumexp" and not jnp.issubdtype(y.dtype, jnp.inexact):
+        y = y.astype(jnp.result_type(float))
+    if mesh_names:
+        if op in _MESH_REDUCERS:
+            y = _MESH_REDUCERS[op](y, mesh_names)
+        elif op == "logsumexp":
+            y = _mesh_logsumexp(y, mesh_names)
+        else:
+            y = _mesh_prod(y, mesh_names)
+    return y
+
+
+def _reduced_count(x, positional: Sequence[int], physical: Sequence[str]) -> int:
+    count = 1
+    for a in positional:
+        count *= jnp.shape(x)[a]
+    for n in physical:
+        count *= lax.axis_size(n)
+    return count
+
+
+def sum(x, axis):  # noqa: A001 - mirrors jnp.sum
+    """Sum of ``x`` over ``axis``: an int, a name, or a tuple mixing both."""
+    return reduce(x, axis, "sum")
+
+
+def max(x, axis):  # noqa: A001
+    """Maximum of ``x`` over ``axis`` (ints and/or names)."""
+    return reduce(x, axis, "max")
+
+
+def min(x, axis):  # noqa: A001
+    """Minimum of ``x`` over ``axis`` (ints and/or names)."""
+    return reduce(x, axis, "min")
+
+
+def prod(x, axis):
+    """Product of ``x`` over ``axis`` (ints and/or names)."""
+    return reduce(x, axis, "prod")
+
+
+def logsumexp(x, axis):
+    """``log(sum(exp(x)))`` over ``axis``, computed stably (max-shifted)."""
+    return reduce(x, axis, "logsumexp")
+
+
+def mean(x, axis):
+    """Mean of ``x`` over ``axis`` (ints and/or names); integer inputs give floats, as in jnp."""
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        x = x.astype(jnp.result_type(float))
+    positional, logical = _split_axis_argument(x, axis, op="mean")
+    physical = _axis_env.resolve(logical, op="nx.mean")
+    total = reduce(x, axis, "sum", public_name="mean")
+    return total / jnp.asarray(_reduced_count(x, positional, physical), total.dtype)
+
+
+def _names_only(axis_name, op: str):
+    names = _axis_env.as_name_tuple(axis_name)
+    for n in names:
+        if isinstance(n, int):
+            raise NxopsError(f"nx.{op}: axis_name {axis_name!r} contains the int {n}; "
+                             f"{op} reduces named axes only. Use nx.{op[1:]} for positional axes.")
+    return names
+
+
+def psum(x, axis_name):
+    """Sum over named axes (``lax.psum``'s semantics, logical names allowed).
+
+    Works on pytrees, like ``lax.psum``.
+    """
+    names = _names_only(axis_name, "psum")
+    return jax.tree_util.tree_map(lambda v: reduce(v, names, "sum", public_name="psum"), x)
+
+
+def pmax(x, axis_name):
+    """Maximum over named axes (on pytrees, like ``lax.pmax``)."""
+    names = _names_only(axis_name, "pmax")
+    return jax.tree_util.tree_map(lambda v: reduce(v, names, "max", public_name="pmax"), x)
+
+
+def pmin(x, axis_name):
+    """Minimum over named axes (on pytrees, like ``lax.pmin``)."""
+    names = _names_only(axis_name, "pmin")
+    return jax.tree_util.tree_map(lambda v: reduce(v, names, "min", public_name="pmin"), x)
+
+
+def pmean(x, axis_name):
+    """Mean over named axes (on pytrees, like ``lax.pmean``)."""
+    names = _names_only(axis_name, "pmean")
+    return jax.tree_util.tree_map(lambda v: mean(v, names), x)
