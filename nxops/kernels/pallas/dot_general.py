@@ -1,0 +1,307 @@
+"""Pallas contraction: any ``lax.dot_general`` as a blocked batched matmul.
+
+Reference: :func:`nxops.kernels.xla.dot_general.dot_general`
+(``lax.dot_general``; output dims: batch, a's free dims, b's free dims).
+
+The wrapper normalises ``dimension_numbers`` to ``[B, M, K] x [B, K, N]``:
+``a`` is transposed to (batch, free, contracting) and ``b`` to (batch,
+contracting, free) -- each a no-op when the operand is already in that order
+-- and reshaped. The kernel accumulates ``a_block @ b_block`` over K in f32:
+
+- Triton (GPU): grid ``(B, M/bm, N/bn)``, a ``fori_loop`` over K with masked
+  loads (zeros past the edges), ``tl.dot`` blocks of at least 16;
+- Mosaic (TPU): grid ``(B, M/bm, N/bn, K/bk)`` with K last ("arbitrary"), an
+  f32 VMEM accumulator, and the K tail of both operands zeroed (edge blocks
+  hold garbage, and 0 * NaN is NaN).
+
+Output dtype as ``lax.dot_general`` with ``preferred_element_type``.
+``precision`` goes to the in-kernel ``jnp.dot``: on Triton, ``DEFAULT``/``HIGH``
+mean TF32 for f32 inputs and ``HIGHEST`` full-precision IEEE f32; on Mosaic
+``DEFAULT`` is one bf16 MXU pass for f32 and ``HIGHEST`` is f32 contract
+precision (``HIGH`` is not supported there). ``precision=None`` takes
+``jax.default_matmul_precision`` in force when the kernel is traced.
+
+Supported: float32/bfloat16/float16 operands of one dtype (no float16 on TPU),
+float output, non-empty operands, ``precision`` as ``None``, a
+``lax.Precision`` or a pair of them (not a ``DotAlgorithmPreset``).
+The gradient (custom VJP) is the transpose of the contraction, computed with
+this same kernel (as JAX's dot_general transpose rule does with XLA's).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as plgpu
+
+from nxops.kernels._registry import Kernel, register
+from nxops.kernels.pallas import _common
+from nxops.kernels.pallas._common import Target
+
+F32 = jnp.float32
+
+
+# ---------------------------------------------------------------------------
+# Kernels on [B, M, K] x [B, K, N] -> [B, M, N]
+
+
+def _matmul_kernel_triton(a_ref, b_ref, o_ref, *, bm: int, bn: int, bk: int, precision):
+    _, n_m, n_k = a_ref.shape
+    n_n = b_ref.shape[2]
+    batch, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    a_rows = i * bm + lax.broadcasted_iota(jnp.int32, (bm, bk), 0)
+    b_cols = j * bn + lax.broadcasted_iota(jnp.int32, (bk, bn), 1)
+
+    def step(kk, acc):
+        a_k = kk * bk + lax.broadcasted_iota(jnp.int32, (bm, bk), 1)
+        b_k = kk * bk + lax.broadcasted_iota(jnp.int32, (bk, bn), 0)
+        a = plgpu.load(a_ref.at[batch, pl.ds(i * bm, bm), pl.ds(kk * bk, bk)],
+                       mask=(a_rows < n_m) & (a_k < n_k), other=0.0)
+        b = plgpu.load(b_ref.at[batch, pl.ds(kk * bk, bk), pl.ds(j * bn, bn)],
+                       mask=(b_k < n_k) & (b_cols < n_n), other=0.0)
+        return acc + jnp.dot(a, b, precision=precision, preferred_element_type=F32)
+
+    acc = lax.fori_loop(0, pl.cdiv(n_k, bk), step, jnp.zeros((bm, bn), F32))
+    out_rows = i * bm + lax.broadcasted_iota(jnp.int32, (bm, bn), 0)
+    out_cols = j * bn + lax.broadcasted_iota(jnp.int32, (bm, bn), 1)
+    plgpu.store(o_ref.at[batch, pl.ds(i * bm, bm), pl.ds(j * bn, bn)], acc.astype(o_ref.dtype),
+                mask=(out_rows < n_m) & (out_cols < n_n))
+
+
+def _matmul_kernel_mosaic(a_ref, b_ref, o_ref, acc_ref, *, n_k: int, precision):
+    kk = pl.program_id(3)
+    a, b = a_ref[...], b_ref[...]
+    bk = a.shape[1]
+    if n_k % bk:  # zero the K tail of both operands (garbage past the end)
+        a_k = kk * bk + lax.broadcasted_iota(jnp.int32, a.shape, 1)
+        b_k = kk * bk + lax.broadcasted_iota(jnp.int32, b.shape, 0)
+        a = jnp.where(a_k < n_k, a, jnp.zeros_like(a))
+        b = jnp.where(b_k < n_k, b, jnp.zeros_like(b))
+
+    @pl.when(kk == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, F32)
+
+    acc_ref[...] += jnp.dot(a, b, precision=precision, preferred_element_type=F32)
+
+    @pl.when(kk == pl.num_programs(3) - 1)
+    def _finish():
+        o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+
+
+def batched_matmul(a3, b3, out_dtype, precision, target: Target) -> jax.Array:
+    """``[B, M, K] x [B, K, N] -> [B, M, N]`` with an f32 accumulator."""
+    (n_batch, n_m, n_k), n_n = a3.shape, b3.shape[2]
+    style = target.style
+    out_shape = jax.ShapeDtypeStruct((n_batch, n_m, n_n), out_dtype)
+    if style == "triton":
+        bm = _common.block_size(style, n_m, "m", minimum=16)
+        bn = _common.block_size(style, n_n, "n", minimum=16)
+        bk = _common.block_size(style, n_k, "k", minimum=16)
+        return pl.pallas_call(
+            functools.partial(_matmul_kernel_triton, bm=bm, bn=bn, bk=bk, precision=precision),
+            out_shape=out_shape,
+            grid=(n_batch, _common.cdiv(n_m, bm), _common.cdiv(n_n, bn)),
+            name="nxops_dot_general",
+            **_common.call_kwargs(target, num_warps=4 if bm * bn >= 64 * 64 else 2, num_stages=3),
+        )(a3, b3)
+    bm = _common.block_size(style, n_m, "m", align=8)
+    bn = _common.block_size(style, n_n, "n", align=128)
+    bk = _common.block_size(style, n_k, "k", align=128)
+    return pl.pallas_call(
+        functools.partial(_matmul_kernel_mosaic, n_k=n_k, precision=precision),
+        out_shape=out_shape,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=0,
+            grid=(n_batch, _common.cdiv(n_m, bm), _common.cdiv(n_n, bn), _common.cdiv(n_k, bk)),
+            in_specs=[pl.BlockSpec((None, bm, bk), lambda b, i, j, k: (b, i, k)),
+                      pl.BlockSpec((None, bk, bn), lambda b, i, j, k: (b, k, j))],
+            out_specs=pl.BlockSpec((None, bm, bn), lambda b, i, j, k: (b, i, j)),
+            scratch_shapes=[pltpu.VMEM((bm, bn), F32)]),
+        name="nxops_dot_general",
+        **_common.call_kwargs(
+            target, dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+    )(a3, b3)
+
+
+# ---------------------------------------------------------------------------
+# The wrapper: any dimension_numbers -> batched matmul
+
+
+def _free_dims(ndim: int, contract, batch) -> list[int]:
+    return [d for d in range(ndim) if d not in contract and d not in batch]
+
+
+def _transpose_if_needed(x, permutation):
+    permutation = tuple(permutation)
+    return x if permutation == tuple(range(x.ndim)) else jnp.transpose(x, permutation)
+
+
+def canonical_dimension_numbers(dimension_numbers):
+    """``dimension_numbers`` as hashable tuples of ints."""
+    (a_contract, b_contract), (a_batch, b_batch) = dimension_numbers
+    return ((tuple(map(int, a_contract)), tuple(map(int, b_contract))),
+            (tuple(map(int, a_batch)), tuple(map(int, b_batch))))
+
+
+def output_dtype(a, b, dimension_numbers, preferred_element_type):
+    return jax.eval_shape(
+        functools.partial(lax.dot_general, dimension_numbers=dimension_numbers,
+                          preferred_element_type=preferred_element_type),
+        jax.ShapeDtypeStruct(a.shape, a.dtype), jax.ShapeDtypeStruct(b.shape, b.dtype)).dtype
+
+
+def dot_general_forward(a, b, dimension_numbers, precision, preferred_element_type,
+                        target: Target) -> jax.Array:
+    """The kernel path of :func:`dot_general` (no custom VJP)."""
+    (a_contract, b_contract), (a_batch, b_batch) = dimension_numbers
+    a_free = _free_dims(a.ndim, a_contract, a_batch)
+    b_free = _free_dims(b.ndim, b_contract, b_batch)
+    out_dtype = output_dtype(a, b, dimension_numbers, preferred_element_type)
+    batch_shape = [a.shape[d] for d in a_batch]
+    a_free_shape = [a.shape[d] for d in a_free]
+    b_free_shape = [b.shape[d] for d in b_free]
+    n_batch, n_k = math.prod(batch_shape), math.prod(a.shape[d] for d in a_contract)
+    a3 = _transpose_if_needed(a, [*a_batch, *a_free, *a_contract]).reshape(
+        n_batch, math.prod(a_free_shape), n_k)
+    b3 = _transpose_if_needed(b, [*b_batch, *b_contract, *b_free]).reshape(
+        n_batch, n_k, math.prod(b_free_shape))
+    out = batched_matmul(a3, b3, out_dtype, precision, target)
+    return out.reshape(*batch_shape, *a_free_shape, *b_free_shape)
+
+
+# ---------------------------------------------------------------------------
+# Gradient: the transpose of a contraction is a contraction (JAX's rule)
+
+
+def _consecutive_ranges(*groups):
+    start = 0
+    for group in groups:
+        yield tuple(range(start, start + len(group)))
+        start += len(group)
+
+
+def _transpose_lhs(g, a_shape_ndim: int, b, dimension_numbers, contract, *, swap_ans: bool):
+    """Cotangent of ``a`` in ``dot_general(a, b)`` (``swap_ans``: of ``b`` in
+    ``dot_general(b, a)`` with swapped dimension numbers)."""
+    (a_contract, b_contract), (a_batch, b_batch) = dimension_numbers
+    a_kept = _free_dims(a_shape_ndim, a_contract, a_batch)
+    b_kept = _free_dims(b.ndim, b_contract, b_batch)
+    if swap_ans:
+        ans_batch, ans_b, _ = _consecutive_ranges(a_batch, b_kept, a_kept)
+    else:
+        ans_batch, _, ans_b = _consecutive_ranges(a_batch, a_kept, b_kept)
+    dims = ((ans_b, tuple(b_kept)), (ans_batch, tuple(b_batch)))
+    a_contract_in_b_order = [a_contract[i] for i in np.argsort(b_contract)]
+    out_axes = np.argsort([*a_batch, *a_kept, *a_contract_in_b_order])
+    return jnp.transpose(contract(g, b, dims), tuple(int(i) for i in out_axes))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _dot_general(a, b, dimension_numbers, precision, preferred_element_type, platform, style):
+    return dot_general_forward(a, b, dimension_numbers, precision, preferred_element_type,
+                               _common.target_for(platform, style))
+
+
+def _dot_general_fwd(a, b, dimension_numbers, precision, preferred_element_type, platform, style):
+    out = _dot_general(a, b, dimension_numbers, precision, preferred_element_type, platform, style)
+    return out, (a, b)
+
+
+def _dot_general_bwd(dimension_numbers, precision, preferred_element_type, platform, style,
+                     residuals, g):
+    del preferred_element_type
+    a, b = residuals
+    target = _common.target_for(platform, style)
+
+    def contract(x, y, dims):
+        common = jnp.promote_types(x.dtype, y.dtype)
+        return dot_general_forward(x.astype(common), y.astype(common), dims, precision, F32, target)
+
+    (a_contract, b_contract), (a_batch, b_batch) = dimension_numbers
+    swapped = ((b_contract, a_contract), (b_batch, a_batch))
+    da = _transpose_lhs(g, a.ndim, b, dimension_numbers, contract, swap_ans=False)
+    db = _transpose_lhs(g, b.ndim, a, swapped, contract, swap_ans=True)
+    return da.astype(a.dtype), db.astype(b.dtype)
+
+
+_dot_general.defvjp(_dot_general_fwd, _dot_general_bwd)
+
+
+def dot_general(a: jax.Array, b: jax.Array, *, dimension_numbers, precision=None,
+                preferred_element_type=None, platform: str = "cpu") -> jax.Array:
+    """``lax.dot_general`` as a blocked Pallas matmul (see the module docstring).
+
+    ``platform``: ``"cpu"`` (interpret mode), ``"cuda"`` (Triton), ``"tpu"``
+    (Mosaic). Differentiable (custom VJP; the cotangents use this kernel too).
+    """
+    return dot_general_in_style(a, b, dimension_numbers=dimension_numbers, precision=precision,
+                                preferred_element_type=preferred_element_type,
+                                platform=platform, style=None)
+
+
+def dot_general_in_style(a, b, *, dimension_numbers, precision=None, preferred_element_type=None,
+                         platform: str = "cpu", style: str | None = None) -> jax.Array:
+    """:func:`dot_general` with the kernel ``style`` chosen: interpret mode on
+    CPU runs either ("triton" or "mosaic"); the tests check both."""
+    return _dot_general(a, b, canonical_dimension_numbers(dimension_numbers), precision,
+                        preferred_element_type, platform, style)
+
+
+# ---------------------------------------------------------------------------
+# What the kernel takes
+
+
+def _precision_reasons(precision, platform: str) -> list[str]:
+    if precision is None:
+        return []
+    if isinstance(precision, lax.DotAlgorithmPreset):
+        return [f"precision={precision} (a DotAlgorithmPreset) is not supported by the Pallas "
+                "matmul; pass None or lax.Precision"]
+    pair = precision if isinstance(precision, (tuple, list)) else (precision, precision)
+    try:
+        pair = tuple(lax.Precision(p) if not isinstance(p, lax.Precision) else p for p in pair)
+    except (ValueError, TypeError):
+        return [f"unrecognised precision {precision!r}"]
+    if platform == "tpu":
+        if pair[0] != pair[1]:
+            return [f"per-operand precisions {pair} are not supported by Pallas on TPU"]
+        if pair[0] == lax.Precision.HIGH:
+            return ["precision HIGH (bf16_3x) is not supported by Pallas on TPU; use DEFAULT or HIGHEST"]
+    return []
+
+
+def not_supported_reasons(a, b, *, platform: str, dimension_numbers, precision=None,
+                          preferred_element_type=None, **params) -> list[str]:
+    """Why the Pallas matmul cannot take this case (empty: it can)."""
+    del params
+    reasons = []
+    a_dtype, b_dtype = jnp.dtype(a.dtype), jnp.dtype(b.dtype)
+    if a_dtype != b_dtype:
+        reasons.append(f"operands of different dtypes ({a_dtype}, {b_dtype}); the Pallas "
+                       "matmul takes one dtype")
+    if a_dtype not in _common.FLOAT_DTYPES:
+        reasons.append(f"operand dtype {a_dtype} (the Pallas matmul takes float32/bfloat16/"
+                       "float16; integer and float64 contractions use xla)")
+    elif platform == "tpu" and a_dtype == jnp.float16:
+        reasons.append("float16 has no native TPU support; Pallas TPU matmul takes f32/bf16")
+    if preferred_element_type is not None and jnp.dtype(preferred_element_type) not in _common.FLOAT_DTYPES:
+        reasons.append(f"preferred_element_type={jnp.dtype(preferred_element_type)} (the kernel "
+                       "writes float32/bfloat16/float16)")
+    if math.prod(a.shape) == 0 or math.prod(b.shape) == 0:
+        reasons.append(f"zero-size operand {tuple(a.shape)} x {tuple(b.shape)}")
+    del dimension_numbers
+    return reasons + _precision_reasons(precision, platform)
+
+
+KERNEL = register(Kernel(
+    op="dot_general", backend="pallas", platforms=_common.PLATFORMS, fn=dot_general,
+    not_supported_reasons=not_supported_reasons,
+    description="Pallas blocked batched matmul, f32 accumulator (Triton on GPU, Mosaic on TPU)",
+))

@@ -1,0 +1,165 @@
+"""Pallas tile: this position's tile of a replicated array (no communication).
+
+Reference: :func:`nxops.kernels.xla.tile.tile`
+(``lax.dynamic_slice_in_dim(x, index * size, size, dim)``, ``size = x.shape[dim] // count``).
+
+The wrapper views ``x`` as ``[outer, count, tile_len]`` (a free reshape:
+``outer`` is the product of the dims before ``dim`` and ``tile_len`` that of
+the tile's part of ``dim`` and the dims after it), so the tile is
+``x[:, index, :]``, a strided copy that reads exactly the tile's bytes.
+``index`` is taken as ``dynamic_slice`` takes its start: negative counts from
+the end, then clamped to ``[0, count)``.
+
+- Mosaic (TPU): the block index comes from scalar prefetch
+  (``PrefetchScalarGridSpec(num_scalar_prefetch=1)``): the index map reads
+  it, so the pipeline DMAs only the chosen tile. ``tile_len`` is laid out as
+  ``[tile_len / 128, 128]`` (dense vregs) when divisible, else ``[1, tile_len]``.
+- Triton (GPU): Pallas Triton has no scalar prefetch, so the index is a
+  one-element input the kernel loads before its masked block copy.
+
+Gradient (custom VJP): the cotangent placed at the tile, zeros elsewhere, as
+the reference's. Any dtype that the platform can copy is supported.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as plgpu
+
+from nxops.kernels._registry import Kernel, register
+from nxops.kernels.pallas import _common
+from nxops.kernels.pallas._common import Target
+
+
+def _copy_kernel_mosaic(index_ref, x_ref, o_ref):
+    del index_ref  # used by the index maps only
+    o_ref[...] = x_ref[...]
+
+
+def _tile_mosaic(x3, index, target: Target) -> jax.Array:
+    n_outer, count, tile_len = x3.shape
+    rows, lanes = (tile_len // 128, 128) if tile_len % 128 == 0 else (1, tile_len)
+    x4 = x3.reshape(n_outer, count, rows, lanes)
+    br = _common.block_size("mosaic", rows, "rows", align=8)
+    padded_rows = -(-br // 8) * 8  # VMEM pads the sublane dim to 8
+    bo = max(1, min(n_outer, _common.cap("mosaic", "tile") // (padded_rows * lanes)))
+    out = pl.pallas_call(
+        _copy_kernel_mosaic,
+        out_shape=jax.ShapeDtypeStruct((n_outer, rows, lanes), x3.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(_common.cdiv(n_outer, bo), _common.cdiv(rows, br)),
+            in_specs=[pl.BlockSpec((bo, None, br, lanes), lambda o, r, idx: (o, idx[0], r, 0))],
+            out_specs=pl.BlockSpec((bo, br, lanes), lambda o, r, idx: (o, r, 0))),
+        name="nxops_tile",
+        **_common.call_kwargs(target, dimension_semantics=("parallel", "parallel")),
+    )(index.reshape(1), x4)
+    return out.reshape(n_outer, tile_len)
+
+
+def _copy_kernel_triton(index_ref, x_ref, o_ref, *, bo: int, bl: int):
+    n_outer, _, tile_len = x_ref.shape
+    o, l = pl.program_id(0), pl.program_id(1)
+    index = index_ref[0]
+    rows = o * bo + lax.broadcasted_iota(jnp.int32, (bo, bl), 0)
+    cols = l * bl + lax.broadcasted_iota(jnp.int32, (bo, bl), 1)
+    mask = (rows < n_outer) & (cols < tile_len)
+    block = plgpu.load(x_ref.at[pl.ds(o * bo, bo), index, pl.ds(l * bl, bl)], mask=mask)
+    plgpu.store(o_ref.at[pl.ds(o * bo, bo), pl.ds(l * bl, bl)], block, mask=mask)
+
+
+def _tile_triton(x3, index, target: Target) -> jax.Array:
+    n_outer, _, tile_len = x3.shape
+    bl = _common.block_size("triton", tile_len, "cols")
+    bo = _common.block_size("triton", n_outer, "rows")
+    bo = min(bo, max(1, _common.cap("triton", "tile") // bl))
+    return pl.pallas_call(
+        functools.partial(_copy_kernel_triton, bo=bo, bl=bl),
+        out_shape=jax.ShapeDtypeStruct((n_outer, tile_len), x3.dtype),
+        grid=(_common.cdiv(n_outer, bo), _common.cdiv(tile_len, bl)),
+        name="nxops_tile",
+        **_common.call_kwargs(target, num_warps=_common.num_warps_for(bo * bl)),
+    )(index.reshape(1), x3)
+
+
+def effective_index(index, count: int) -> jax.Array:
+    """The tile ``dynamic_slice`` takes for ``index``: a negative start counts
+    from the end (``index + count``), then the start is clamped into range."""
+    index = jnp.asarray(index, jnp.int32)
+    return jnp.clip(jnp.where(index < 0, index + count, index), 0, count - 1)
+
+
+def tile_forward(x, index, dim: int, count: int, target: Target) -> jax.Array:
+    """The kernel path of :func:`tile` (no custom VJP)."""
+    dim = dim % x.ndim
+    size = x.shape[dim] // count
+    out_shape = x.shape[:dim] + (size,) + x.shape[dim + 1:]
+    x3 = x.reshape(math.prod(x.shape[:dim]), count, size * math.prod(x.shape[dim + 1:]))
+    index = effective_index(index, count)
+    tiled = (_tile_triton if target.style == "triton" else _tile_mosaic)(x3, index, target)
+    return tiled.reshape(out_shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _tile(x, index, dim, count, platform, style):
+    return tile_forward(x, index, dim, count, _common.target_for(platform, style))
+
+
+def _tile_fwd(x, index, dim, count, platform, style):
+    return _tile(x, index, dim, count, platform, style), (x.shape, index)
+
+
+def _tile_bwd(dim, count, platform, style, residuals, g):
+    del platform, style
+    shape, index = residuals
+    size = shape[dim] // count
+    start = effective_index(index, count) * size
+    dx = lax.dynamic_update_slice_in_dim(jnp.zeros(shape, g.dtype), g, start, axis=dim % len(shape))
+    return dx, None
+
+
+_tile.defvjp(_tile_fwd, _tile_bwd)
+
+
+def tile(x: jax.Array, index: jax.Array, *, dim: int, count: int, platform: str = "cpu") -> jax.Array:
+    """Tile number ``index`` of ``count`` equal tiles of ``x`` along ``dim``, as
+    a Pallas copy kernel (see the module docstring). Differentiable in ``x``."""
+    return tile_in_style(x, index, dim=dim, count=count, platform=platform, style=None)
+
+
+def tile_in_style(x, index, *, dim: int, count: int, platform: str = "cpu",
+                  style: str | None = None) -> jax.Array:
+    """:func:`tile` with the kernel ``style`` chosen (interpret mode on CPU runs
+    either; the tests check both)."""
+    return _tile(x, index, dim, count, platform, style)
+
+
+def not_supported_reasons(x, index, *, platform: str, dim: int, count: int, **params) -> list[str]:
+    """Why the Pallas tile cannot take this case (empty: it can)."""
+    del index, params
+    reasons = []
+    if x.ndim == 0:
+        reasons.append("a scalar has no dim to tile")
+    elif math.prod(x.shape) == 0:
+        reasons.append(f"zero-size input {tuple(x.shape)}")
+    elif x.shape[dim % x.ndim] % count:
+        reasons.append(f"dim {dim} of size {x.shape[dim % x.ndim]} is not divisible into {count} tiles")
+    dtype = jnp.dtype(x.dtype)
+    if dtype.itemsize not in (2, 4) or dtype == jnp.bool_:
+        reasons.append(f"dtype {dtype}: the Pallas tile copies 16- and 32-bit elements")
+    if platform == "tpu" and dtype == jnp.float16:
+        reasons.append("float16 has no native TPU support")
+    return reasons
+
+
+KERNEL = register(Kernel(
+    op="tile", backend="pallas", platforms=_common.PLATFORMS, fn=tile,
+    not_supported_reasons=not_supported_reasons,
+    description="Pallas strided copy of one tile (scalar-prefetched index on TPU)",
+))
