@@ -1,0 +1,5 @@
+"""The ``nx.xmap`` frontend: named axes, mesh tiling and serial loops."""
+from nxops.xmap._resources import SerialLoop, serial_loop
+from nxops.xmap._xmap import XmapFunction, xmap
+
+__all__ = ["SerialLoop", "XmapFunction", "serial_loop", "xmap"]

@@ -1,0 +1,203 @@
+"""The plan: each logical axis -> (mesh axes, serial loops, local vmap tile).
+
+Along a logical axis of size ``N`` mapped to mesh axes of total size ``M`` and
+loops of lengths ``L1..Lk``, the global position is
+``mesh_index * (L1..Lk * T) + loop_indices * T + tile_index`` with
+``T = N / (M * L1..Lk)``: mesh axes are major, loops next, the vmap tile minor.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence, Union
+
+import jax
+from jax._src import mesh as _mesh_lib
+from jax.sharding import Mesh, PartitionSpec
+
+from nxops._errors import NxopsError
+from nxops.ops._axis_env import LogicalAxis
+from nxops.xmap._resources import NamedLoop, SerialLoop, loops_in_scope
+from nxops.xmap._specs import AxisSpec
+
+Loop = Union[SerialLoop, NamedLoop]
+# A resource as written by the user: a mesh axis or loop name, or a SerialLoop.
+UserResource = Union[str, SerialLoop]
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisPlan:
+    """How one logical axis runs."""
+
+    name: str
+    size: int
+    mesh_axes: tuple[str, ...]
+    loops: tuple[Loop, ...]
+    tile: int
+    vmap_name: str
+
+    @property
+    def resources(self) -> tuple[Any, ...]:
+        return self.mesh_axes + self.loops
+
+    def logical_axis(self) -> LogicalAxis:
+        loop = self.loops[0].name if self.loops else None
+        return LogicalAxis(physical=self.mesh_axes + (self.vmap_name,), loop=loop)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The plan of one xmap call (cached per argument signature)."""
+
+    axes: tuple[AxisPlan, ...]
+    loops: tuple[Loop, ...]
+    mesh: Mesh | None
+    mesh_axes: tuple[str, ...]
+
+    def axis(self, name: str) -> AxisPlan:
+        return next(a for a in self.axes if a.name == name)
+
+    def partition_spec(self, spec: AxisSpec, ndim: int) -> PartitionSpec:
+        by_pos = spec.mapping
+        entries = []
+        for dim in range(ndim):
+            axes = self.axis(by_pos[dim]).mesh_axes if dim in by_pos else ()
+            entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        return PartitionSpec(*entries)
+
+    def logical_axes(self) -> dict[str, LogicalAxis]:
+        return {a.name: a.logical_axis() for a in self.axes}
+
+
+def _show(resources: Sequence[Any]) -> str:
+    return "(" + ", ".join(r.name if isinstance(r, SerialLoop) else repr(r) for r in resources) + ")"
+
+
+def normalize_axis_resources(axis_resources: Any, defined: Sequence[str]) -> dict[str, tuple]:
+    """Checks ``axis_resources`` against the defined names (at xmap time)."""
+    if axis_resources is None:
+        return {}
+    if not isinstance(axis_resources, dict):
+        raise NxopsError(
+            f"xmap axis_resources must be a dict from axis name to resources, e.g. "
+            f"{{'batch': 'x'}}, but got {axis_resources!r}.")
+    missing = [name for name in axis_resources if name not in defined]
+    if missing:
+        raise NxopsError(
+            f"All axes that were assigned resources have to appear in in_axes or "
+            f"axis_sizes, but the following are missing: {', '.join(map(repr, missing))} "
+            f"(axis_resources={axis_resources!r}; defined axes: "
+            f"{', '.join(map(repr, defined)) or 'none'}).")
+    normalized = {}
+    for name, value in axis_resources.items():
+        resources = tuple(value) if isinstance(value, (tuple, list)) else (value,)
+        for r in resources:
+            if not isinstance(r, (str, SerialLoop)):
+                raise NxopsError(
+                    f"axis_resources[{name!r}] = {value!r}: a resource is a mesh axis "
+                    f"name, a serial_loop name (str) or a SerialLoop(n), or a tuple of them.")
+        if len(set(resources)) != len(resources):
+            raise NxopsError(
+                f"Resource assignment of a single axis must be a tuple of distinct "
+                f"resources, but specified {_show(resources)} for axis {name!r}.")
+        normalized[name] = resources
+    return normalized
+
+
+def mesh_in_scope() -> Mesh | None:
+    """The mesh of ``jax.set_mesh(mesh)``, else of the legacy ``with mesh:``."""
+    mesh = _mesh_lib.get_concrete_mesh()
+    if mesh is None or mesh.empty:
+        mesh = _mesh_lib.thread_resources.env.physical_mesh
+    return None if mesh.empty else mesh
+
+
+def _resolve(name: str, resources: tuple, mesh: Mesh | None,
+             loops: dict[str, NamedLoop]) -> tuple[list[str], list[Loop], list[str]]:
+    mesh_axes, axis_loops, missing = [], [], []
+    mesh_names = set(mesh.axis_names) if mesh is not None else set()
+    for r in resources:
+        if isinstance(r, SerialLoop):
+            axis_loops.append(r)
+        elif r in mesh_names and r in loops:
+            raise NxopsError(
+                f"axis_resources[{name!r}] names {r!r}, which is both a mesh axis and a "
+                f"serial_loop in scope; rename the loop.")
+        elif r in mesh_names:
+            mesh_axes.append(r)
+        elif r in loops:
+            axis_loops.append(loops[r])
+        else:
+            missing.append(r)
+    return mesh_axes, axis_loops, missing
+
+
+def _vmap_name(name: str, mesh_axes, loops, mesh: Mesh | None) -> str:
+    # The logical name itself, so that raw lax.psum(x, name) works in the body,
+    # unless a mesh axis or loop also carries the axis (or the name is a mesh axis).
+    if mesh_axes or loops or (mesh is not None and name in mesh.axis_names):
+        return f"{name}#tile"
+    return name
+
+
+def check_shared_resources(plan: Plan, spec: AxisSpec, what: str) -> None:
+    """Two names of one value may not share a resource (the value would be split
+    twice along it)."""
+    owner: dict[Any, str] = {}
+    for name in spec.axis_names:
+        for r in plan.axis(name).resources:
+            if r in owner:
+                shown = r.name if isinstance(r, (SerialLoop, NamedLoop)) else repr(r)
+                raise NxopsError(
+                    f"Axes {owner[r]!r} and {name!r} are both mapped to the resource "
+                    f"{shown}, but they coincide in {what} with specification "
+                    f"{spec.user_repr}: one value cannot be split along one resource "
+                    f"twice. Map them to different resources.")
+            owner[r] = name
+
+
+def plan_axis_resources(sizes: dict[str, int], axis_resources: dict[str, tuple],
+                        order: Sequence[str]) -> Plan:
+    """Resolves resources against the mesh and loops in scope and checks sizes."""
+    mesh = mesh_in_scope()
+    loops = {loop.name: loop for loop in loops_in_scope()}
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    axes, all_missing = [], []
+    for name in order:
+        resources = axis_resources.get(name, ())
+        mesh_axes, axis_loops, missing = _resolve(name, resources, mesh, loops)
+        all_missing += missing
+        if missing:
+            continue
+        busy = [a for a in mesh_axes if a in manual]
+        if busy:
+            raise NxopsError(
+                f"axis_resources[{name!r}] uses mesh axes {busy}, which an enclosing "
+                f"xmap or shard_map already maps over; use other mesh axes.")
+        total = math.prod(mesh.shape[a] for a in mesh_axes) * math.prod(
+            loop.length for loop in axis_loops)
+        if sizes[name] % total:
+            raise NxopsError(
+                f"The size of axis {name!r} ({sizes[name]}) is not divisible by the total "
+                f"size of the resources assigned to it, {_show(resources)} of total size "
+                f"{total}{_mesh_note(mesh, mesh_axes)}. Assign resources whose sizes "
+                f"multiply to a divisor of {sizes[name]}.")
+        axes.append(AxisPlan(name, sizes[name], tuple(mesh_axes), tuple(axis_loops),
+                             sizes[name] // total, _vmap_name(name, mesh_axes, axis_loops, mesh)))
+    if all_missing:
+        raise NxopsError(
+            f"In-scope resources are insufficient to execute the xmapped function. The "
+            f"missing resources are: {', '.join(map(repr, dict.fromkeys(all_missing)))}. "
+            f"Mesh axes in scope: {list(mesh.axis_names) if mesh is not None else 'none'}; "
+            f"serial loops in scope: {list(loops) or 'none'}. Call it under "
+            f"jax.set_mesh(mesh) or inside `with nx.serial_loop(name, length):`.")
+    used_loops = tuple(dict.fromkeys(loop for a in axes for loop in a.loops))
+    used_mesh = tuple(a for a in (mesh.axis_names if mesh is not None else ())
+                      if any(a in p.mesh_axes for p in axes))
+    return Plan(tuple(axes), used_loops, mesh if used_mesh else None, used_mesh)
+
+
+def _mesh_note(mesh: Mesh | None, mesh_axes: Sequence[str]) -> str:
+    if not mesh_axes:
+        return ""
+    return " (mesh axis sizes: " + ", ".join(f"{a}={mesh.shape[a]}" for a in mesh_axes) + ")"

@@ -1,0 +1,242 @@
+"""The positional program of one xmap plan, built from public JAX transformations:
+
+    jax.shard_map(mesh axes) ∘ [lax.scan per serial loop] ∘ jax.vmap(tile) per name ∘ body
+
+Each named dimension of a local array is first split into sub-dimensions
+``(loop lengths..., tile)``; every level (a loop or a tile) then consumes its
+sub-dimension. Dimensions are tracked by tags: ``('pos', d)``, ``('loop', loop)``
+and ``('tile', name)``, and an output's *full layout* is the list of tags of its
+split form. Every level returns outputs whose layout is the full layout
+restricted to the tags not yet consumed by enclosing levels.
+
+Every named axis gets a vmap level (of size 1 when its mesh axes and loops
+cover it), so vmap's own batching tells which outputs vary along which names.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax._src.interpreters.batching import infer as _infer_out_axes
+from jax.sharding import AxisType, NamedSharding
+
+from nxops._errors import NxopsError
+from nxops.xmap._plan import Plan, check_shared_resources
+from nxops.xmap._specs import AxisSpec, broadcast_specs, check_output_rank
+
+Tag = tuple
+Inner = Callable[[list, list], tuple[list, list]]
+
+
+@dataclasses.dataclass
+class _Outputs:
+    """What the body returned, learned while tracing it (the same in every level)."""
+
+    tree: Any = None
+    specs: list = dataclasses.field(default_factory=list)
+    paths: list = dataclasses.field(default_factory=list)
+    layouts: list = dataclasses.field(default_factory=list)
+
+
+def split_layout(spec: AxisSpec, ndim: int, plan: Plan) -> list[Tag]:
+    """The tags of an array of rank ``ndim`` once its named dims are split."""
+    named = spec.mapping
+    tags: list[Tag] = []
+    for dim in range(ndim):
+        if dim in named:
+            axis = plan.axis(named[dim])
+            tags += [("loop", loop) for loop in axis.loops] + [("tile", axis.name)]
+        else:
+            tags.append(("pos", dim))
+    return tags
+
+
+def _split_shape(spec: AxisSpec, local_shape: Sequence[int], plan: Plan) -> list[int]:
+    named = spec.mapping
+    shape: list[int] = []
+    for dim, size in enumerate(local_shape):
+        if dim in named:
+            axis = plan.axis(named[dim])
+            shape += [loop.length for loop in axis.loops] + [axis.tile]
+        else:
+            shape.append(size)
+    return shape
+
+
+def _merge_split_dims(x, spec: AxisSpec, ndim: int, plan: Plan):
+    named = spec.mapping
+    shape, i = [], 0
+    for dim in range(ndim):
+        parts = len(plan.axis(named[dim]).loops) + 1 if dim in named else 1
+        shape.append(math.prod(x.shape[i:i + parts]))
+        i += parts
+    return x.reshape(shape)
+
+
+def _restrict(full: list[Tag], present: list[Tag], tag: Tag) -> list[Tag]:
+    return [t for t in full if t == tag or t in present]
+
+
+def _varies_error(outputs: _Outputs, j: int, name: str) -> NxopsError:
+    spec = outputs.specs[j]
+    return NxopsError(
+        f"One of xmap results (out{outputs.paths[j]}) has an out_axes specification of "
+        f"{spec.user_repr}, but it varies along the named axis {name!r}, which that "
+        f"specification omits. Add {name!r} to its out_axes, or reduce over it in the "
+        f"body (e.g. nx.sum(x, {name!r}) or nx.psum(x, {name!r})).")
+
+
+def _tile_level(plan: Plan, name: str, inner: Inner, outputs: _Outputs) -> Inner:
+    axis = plan.axis(name)
+    tag = ("tile", name)
+
+    def level(flat: list, layouts: list) -> tuple[list, list]:
+        in_axes = tuple(lay.index(tag) if tag in lay else None for lay in layouts)
+        inner_layouts: list = []
+
+        def vmapped(*xs):
+            outs, lays = inner(list(xs), [[t for t in lay if t != tag] for lay in layouts])
+            inner_layouts[:] = lays
+            return outs
+
+        outs, src_axes = jax.vmap(vmapped, in_axes=in_axes, out_axes=_infer_out_axes,
+                                  axis_name=axis.vmap_name, axis_size=axis.tile)(*flat)
+        new_outs, new_layouts = [], []
+        for j, (x, src, lay) in enumerate(zip(outs, src_axes, inner_layouts)):
+            if tag not in outputs.layouts[j]:
+                if src is not None:
+                    raise _varies_error(outputs, j, name)
+                new_outs.append(x)
+                new_layouts.append(lay)
+                continue
+            target = _restrict(outputs.layouts[j], lay, tag)
+            dst = target.index(tag)
+            if src is None:   # does not vary along the name: broadcast
+                x = jnp.expand_dims(x, dst)
+                x = jnp.broadcast_to(x, x.shape[:dst] + (axis.tile,) + x.shape[dst + 1:])
+            else:
+                x = jnp.moveaxis(x, src, dst)
+            new_outs.append(x)
+            new_layouts.append(target)
+        return new_outs, new_layouts
+    return level
+
+
+def _zeros_like_aval(aval):
+    zeros = jnp.zeros(aval.shape, aval.dtype)
+    varying = tuple(getattr(aval.manual_axis_type, "varying", ()) or ())
+    return lax.pcast(zeros, varying, to="varying") if varying else zeros
+
+
+def _loop_level(loop, inner: Inner, outputs: _Outputs) -> Inner:
+    tag = ("loop", loop)
+
+    def level(flat: list, layouts: list) -> tuple[list, list]:
+        scanned = [i for i, lay in enumerate(layouts) if tag in lay]
+        xs = [jnp.moveaxis(flat[i], layouts[i].index(tag), 0) for i in scanned]
+        sub_layouts = [[t for t in lay if t != tag] for lay in layouts]
+        inner_layouts: list = []
+
+        def one_step(xs_step):
+            args = list(flat)
+            for i, x in zip(scanned, xs_step):
+                args[i] = x
+            outs, lays = inner(args, sub_layouts)
+            inner_layouts[:] = lays
+            return outs
+
+        # Outputs along the loop's names are stacked (scan's ys); the others do
+        # not vary along them and are carried (their shapes come from one step).
+        step_avals = jax.eval_shape(one_step, [x[0] for x in xs])
+        stacked = [tag in outputs.layouts[j] for j in range(len(step_avals))]
+
+        def step(carry, xs_step):
+            outs = one_step(xs_step)
+            return ([o for o, s in zip(outs, stacked) if not s],
+                    [o for o, s in zip(outs, stacked) if s])
+
+        init = [_zeros_like_aval(a) for a, s in zip(step_avals, stacked) if not s]
+        carried, ys = lax.scan(step, init, xs, length=loop.length)
+        carried, ys = iter(carried), iter(ys)
+        new_outs, new_layouts = [], []
+        for j, (s, lay) in enumerate(zip(stacked, inner_layouts)):
+            if not s:
+                new_outs.append(next(carried))
+                new_layouts.append(lay)
+                continue
+            target = _restrict(outputs.layouts[j], lay, tag)
+            new_outs.append(jnp.moveaxis(next(ys), 0, target.index(tag)))
+            new_layouts.append(target)
+        return new_outs, new_layouts
+    return level
+
+
+def _body_level(body: Callable, in_tree, plan: Plan, out_axes: Any, user_out_axes: Any,
+                outputs: _Outputs) -> Inner:
+    def level(flat: list, layouts: list) -> tuple[list, list]:
+        result = body(*jax.tree.unflatten(in_tree, flat))
+        path_leaves, tree = jax.tree_util.tree_flatten_with_path(result)
+        leaves = [jnp.asarray(x) for _, x in path_leaves]
+        specs = broadcast_specs(out_axes, result, "out_axes", user_out_axes)
+        paths = [jax.tree_util.keystr(p) for p, _ in path_leaves]
+        for spec, x, path in zip(specs, leaves, paths):
+            check_output_rank(spec, x.shape, f"out{path}")
+            check_shared_resources(plan, spec, f"result out{path}")
+        outputs.tree, outputs.specs, outputs.paths = tree, specs, paths
+        outputs.layouts = [split_layout(s, x.ndim + len(s.names), plan)
+                           for s, x in zip(specs, leaves)]
+        return leaves, [[t for t in lay if t[0] == "pos"] for lay in outputs.layouts]
+    return level
+
+
+def _reshard(x, plan: Plan, spec: AxisSpec):
+    """Moves an input to the plan's sharding inside jit (a no-op when it is)."""
+    sharding = NamedSharding(plan.mesh, plan.partition_spec(spec, x.ndim))
+    types = {plan.mesh._name_to_type[a] for a in plan.mesh_axes}
+    if AxisType.Explicit in types:
+        return jax.sharding.reshard(x, sharding)
+    return lax.with_sharding_constraint(x, sharding)
+
+
+def build_program(body: Callable, plan: Plan, in_tree, in_specs: list[AxisSpec],
+                  out_axes: Any, user_out_axes: Any) -> tuple[Callable, _Outputs]:
+    """``program(*flat_args) -> flat results``; the returned ``_Outputs`` is filled
+    in when the program is traced (its ``tree`` unflattens the results)."""
+    outputs = _Outputs()
+    inner: Inner = _body_level(body, in_tree, plan, out_axes, user_out_axes, outputs)
+    for axis in reversed(plan.axes):
+        inner = _tile_level(plan, axis.name, inner, outputs)
+    for loop in reversed(plan.loops):
+        inner = _loop_level(loop, inner, outputs)
+
+    def local_program(*flat):
+        split = [x.reshape(_split_shape(s, x.shape, plan)) for x, s in zip(flat, in_specs)]
+        layouts = [split_layout(s, x.ndim, plan) for x, s in zip(flat, in_specs)]
+        outs, _ = inner(split, layouts)
+        return [_merge_split_dims(x, s, x.ndim - sum(len(plan.axis(n).loops) for n in s.axis_names), plan)
+                for x, s in zip(outs, outputs.specs)]
+
+    if plan.mesh is None:
+        return local_program, outputs
+
+    def program(*flat):
+        manual = jax.sharding.get_abstract_mesh().manual_axes
+        if not manual:
+            flat = [_reshard(x, plan, s) for x, s in zip(flat, in_specs)]
+        out_specs: list = []   # filled in once the body's results are known
+
+        def sharded(*local):
+            results = local_program(*local)
+            out_specs[:] = [plan.partition_spec(s, x.ndim) for x, s in zip(results, outputs.specs)]
+            return results
+
+        abstract = jax.sharding.get_abstract_mesh()
+        mesh = abstract if not abstract.empty else plan.mesh
+        in_pspecs = tuple(plan.partition_spec(s, x.ndim) for x, s in zip(flat, in_specs))
+        return jax.shard_map(sharded, mesh=mesh, in_specs=in_pspecs, out_specs=out_specs,
+                             axis_names=frozenset(plan.mesh_axes), check_vma=True)(*flat)
+    return program, outputs

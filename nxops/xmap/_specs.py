@@ -1,0 +1,200 @@
+"""Parsing and checking of ``in_axes`` / ``out_axes`` specs.
+
+A spec says which positional dimensions of one array carry which named axes:
+``['batch', None, ...]`` (a list, ``None`` for a positional dim, an optional
+trailing ``...``; without it the list asserts the rank) or ``{0: 'batch'}``.
+Errors quote the spec as the user wrote it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+
+from nxops._errors import NxopsError
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisSpec:
+    """One leaf spec: ``names[pos] = name``; ``rank`` is asserted when not None."""
+
+    names: tuple[tuple[int, str], ...]
+    rank: int | None
+    user_repr: str
+
+    @property
+    def mapping(self) -> dict[int, str]:
+        return dict(self.names)
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return tuple(name for _, name in self.names)
+
+
+def _show_entry(entry: Any) -> str:
+    if isinstance(entry, dict):
+        return "{" + ", ".join(f"{k!r}: {v!r}" for k, v in entry.items()) + "}"
+    items = ", ".join("..." if e is Ellipsis else repr(e) for e in entry)
+    if isinstance(entry, tuple):
+        return f"({items},)" if len(entry) == 1 else f"({items})"
+    return f"[{items}]"
+
+
+def is_axes_leaf(entry: Any) -> bool:
+    """Whether ``entry`` is one spec (as opposed to a container of specs)."""
+    if isinstance(entry, dict):
+        return all(isinstance(k, int) for k in entry) and all(
+            isinstance(v, str) for v in entry.values())
+    if isinstance(entry, (tuple, list)):
+        return all(e is None or e is Ellipsis or isinstance(e, str) for e in entry)
+    return False
+
+
+def _spec_error(what: str, entry: Any) -> NxopsError:
+    return NxopsError(
+        f"Invalid xmap {what} entry {entry!r}. A spec is either a list of axis names "
+        f"(str), with None for a positional dimension and an optional trailing ... "
+        f"(e.g. ['batch', None, ...]), or a dict from positional dimension (int >= 0) "
+        f"to axis name (e.g. {{0: 'batch'}}); [...], [] and {{}} mean no named axes. "
+        f"Specs may be nested in a pytree prefix of the {what[:-5] or 'value'}s.")
+
+
+def parse_spec(entry: Any, what: str) -> AxisSpec:
+    """Parses one spec leaf; ``what`` is 'in_axes' or 'out_axes' (for messages)."""
+    if isinstance(entry, dict):
+        if not is_axes_leaf(entry):
+            raise _spec_error(what, entry)
+        user_repr = _show_entry(entry)
+        if any(pos < 0 for pos in entry):
+            raise NxopsError(
+                f"xmap doesn't support negative axes in {what}, but got {user_repr}: "
+                f"count positional dimensions from the front (0, 1, ...).")
+        pairs, rank = sorted(entry.items()), None
+    elif isinstance(entry, (list, tuple)):
+        if not is_axes_leaf(entry) or Ellipsis in entry[:-1]:
+            raise _spec_error(what, entry)
+        user_repr = _show_entry(entry)
+        if entry and entry[-1] is Ellipsis:
+            entry, rank = entry[:-1], None
+        else:
+            rank = len(entry)
+        pairs = [(pos, name) for pos, name in enumerate(entry) if name is not None]
+    else:
+        raise _spec_error(what, entry)
+    names = [name for _, name in pairs]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise NxopsError(
+            f"Named axes should be unique within each {what} specification, but "
+            f"{user_repr} names {', '.join(map(repr, duplicates))} more than once: "
+            f"a value has at most one dimension per named axis.")
+    return AxisSpec(tuple(pairs), rank, user_repr)
+
+
+def parse_spec_tree(tree: Any, what: str) -> Any:
+    """Parses a pytree (prefix) of specs into a pytree of ``AxisSpec`` leaves.
+
+    A top-level list of specs means a tuple (lists and tuples are interchangeable
+    at the top level, as in the old xmap).
+    """
+    if isinstance(tree, list) and not is_axes_leaf(tree):
+        tree = tuple(tree)
+    if is_axes_leaf(tree):
+        return parse_spec(tree, what)
+    # Any other leaf (a str, an int, ...) is not a spec: parse_spec raises.
+    return jax.tree.map(lambda e: parse_spec(e, what), tree, is_leaf=is_axes_leaf)
+
+
+def spec_names(parsed_tree: Any) -> list[str]:
+    """Axis names in a parsed spec tree, in order of first appearance."""
+    seen: dict[str, None] = {}
+    for spec in spec_leaves(parsed_tree):
+        for name in spec.axis_names:
+            seen.setdefault(name)
+    return list(seen)
+
+
+def spec_leaves(parsed_tree: Any) -> list[AxisSpec]:
+    return jax.tree.leaves(parsed_tree, is_leaf=lambda x: isinstance(x, AxisSpec))
+
+
+def broadcast_specs(parsed_tree: Any, values: Any, what: str, user_tree: Any) -> list[AxisSpec]:
+    """One ``AxisSpec`` per leaf of ``values`` (``parsed_tree`` is a prefix of it)."""
+    if isinstance(parsed_tree, AxisSpec):
+        return [parsed_tree] * len(jax.tree.leaves(values))
+    try:
+        per_subtree = jax.tree.map(
+            lambda spec, sub: [spec] * len(jax.tree.leaves(sub)), parsed_tree, values,
+            is_leaf=lambda x: isinstance(x, AxisSpec))
+    except ValueError as e:
+        structure = jax.tree.structure(values)
+        raise NxopsError(
+            f"xmap {what} specification must be a tree prefix of the corresponding "
+            f"value, got specification {user_tree!r} for value tree {structure}. "
+            f"Give one spec per {'argument' if what == 'in_axes' else 'result'} (or one "
+            f"spec for all). ({e})") from None
+    return [spec for group in jax.tree.leaves(per_subtree, is_leaf=lambda x: isinstance(x, list))
+            for spec in group]
+
+
+def _where(path: str) -> str:
+    return f" {path}" if path else ""
+
+
+def check_input_rank(spec: AxisSpec, shape: Sequence[int], path: str) -> None:
+    ndim = len(shape)
+    if spec.rank is not None and ndim != spec.rank:
+        raise NxopsError(
+            f"xmap argument{_where(path)} has an in_axes specification of {spec.user_repr}, "
+            f"which asserts that it should be of rank {spec.rank}, but the argument has "
+            f"rank {ndim} (and shape {tuple(shape)}). End the spec with ... to allow "
+            f"extra positional dimensions.")
+    if spec.names and spec.names[-1][0] >= ndim:
+        raise NxopsError(
+            f"One of xmap arguments{_where(path)} has an in_axes specification of "
+            f"{spec.user_repr}, which implies that it has at least "
+            f"{spec.names[-1][0] + 1} dimensions, but the argument has rank {ndim} "
+            f"(and shape {tuple(shape)}).")
+
+
+def check_output_rank(spec: AxisSpec, positional_shape: Sequence[int], path: str) -> None:
+    """``positional_shape``: the shape of one result as the body returned it."""
+    ndim = len(positional_shape) + len(spec.names)
+    if spec.rank is not None and ndim != spec.rank:
+        raise NxopsError(
+            f"One of xmap results{_where(path)} has an out_axes specification of "
+            f"{spec.user_repr}, which asserts that it should be of rank {spec.rank}, but "
+            f"the body returned a value of shape {tuple(positional_shape)}, so the "
+            f"result would have rank {ndim}. End the spec with ... to allow extra "
+            f"positional dimensions.")
+    if spec.names and spec.names[-1][0] >= ndim:
+        needed = spec.names[-1][0] + 1 - len(spec.names)
+        raise NxopsError(
+            f"One of xmap results{_where(path)} has an out_axes specification of "
+            f"{spec.user_repr}, which requires the result of the xmapped function to "
+            f"have at least {needed} positional dimensions, but it only has "
+            f"{len(positional_shape)} (shape {tuple(positional_shape)}).")
+
+
+def infer_axis_sizes(flat_specs: Sequence[AxisSpec], shapes: Sequence[Sequence[int]],
+                     paths: Sequence[str], axis_sizes: dict[str, int]) -> dict[str, int]:
+    """Checks ranks and returns ``{name: size}`` from the arguments and ``axis_sizes``."""
+    sizes = dict(axis_sizes)
+    source = {name: "axis_sizes" for name in axis_sizes}
+    for spec, shape, path in zip(flat_specs, shapes, paths):
+        check_input_rank(spec, shape, path)
+        for pos, name in spec.names:
+            size = shape[pos]
+            if name in sizes and sizes[name] != size:
+                raise NxopsError(
+                    f"The size of axis {name!r} was previously inferred to be "
+                    f"{sizes[name]} (from {source[name]}), but found an argument"
+                    f"{_where(path)} of shape {tuple(shape)} with in_axes specification "
+                    f"{spec.user_repr}. Shape mismatch occurs in dimension {pos}: "
+                    f"{size} != {sizes[name]}. All dimensions named {name!r} must have "
+                    f"the same size.")
+            if name not in sizes:
+                sizes[name] = size
+                source[name] = f"argument{_where(path)} with in_axes {spec.user_repr}"
+    return sizes
