@@ -15,7 +15,8 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.interpreters import ad, batching
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
 
 from nxops._errors import NxopsError
 from nxops.kernels import _registry
@@ -59,6 +60,86 @@ def _ensure_varying(x, mesh_names):
     return lax.pcast(x, invariant, to="varying") if invariant else x
 
 
+# --- the vmap part: layout changes along a vmapped name ------------------------
+# JAX's all_gather/psum_scatter batching rules are fragile inside shard_map
+# bodies (they insert pvary for the vmap name); along a vmapped name these ops
+# are reshapes, which this primitive's batching rule does directly.
+
+named_layout_p = Primitive("nx_named_layout")
+_LAYOUT_KINDS = ("gather", "scatter", "tile")
+
+
+def _layout_shape(shape, kind, dim, size):
+    shape = list(shape)
+    shape[dim] = shape[dim] * size if kind == "gather" else shape[dim] // size
+    return tuple(shape)
+
+
+def _layout_abstract_eval(x, *, kind, name, dim, size):
+    del name
+    return x.update(shape=_layout_shape(x.shape, kind, dim, size))
+
+
+def _split_dim(x, dim, size):
+    """[..., D, ...] -> [..., size, D/size, ...]"""
+    return x.reshape(x.shape[:dim] + (size, x.shape[dim] // size) + x.shape[dim + 1:])
+
+
+def _layout_batcher(axis_data, vals_in, dims_in, *, kind, name, dim, size):
+    (x,), (d,) = vals_in, dims_in
+    if axis_data.name != name:
+        if d is None:
+            return named_layout_p.bind(x, kind=kind, name=name, dim=dim, size=size), None
+        x = jnp.moveaxis(x, d, 0)
+        return named_layout_p.bind(x, kind=kind, name=name, dim=dim + 1, size=size), 0
+    if kind == "gather":  # varying along the name -> replicated, concatenated along dim
+        if d is None:
+            return jnp.concatenate([x] * size, axis=dim), None
+        x = jnp.moveaxis(x, d, dim)
+        return x.reshape(x.shape[:dim] + (-1,) + x.shape[dim + 2:]), None
+    if kind == "scatter":  # summed over the name, then tile number i to position i
+        x = x * size if d is None else jnp.sum(x, axis=d)
+        return _split_dim(x, dim, size), dim
+    # tile: position i takes tile i of its own value
+    if d is None:
+        return _split_dim(x, dim, size), dim
+    x = jnp.moveaxis(x, d, 0)
+    tiles = _split_dim(x, dim + 1, size)  # [size(batch), ..., size(tiles), chunk, ...]
+    return jnp.moveaxis(jnp.diagonal(tiles, axis1=0, axis2=dim + 1), -1, 0), 0
+
+
+def _layout_lowering(ctx, x, *, kind, name, dim, size):
+    raise NxopsError(f"nxops {kind} over {name!r} reached lowering: the name must be bound by "
+                     f"an enclosing vmap or xmap.")
+
+
+named_layout_p.def_abstract_eval(_layout_abstract_eval)
+batching.fancy_primitive_batchers[named_layout_p] = _layout_batcher
+mlir.register_lowering(named_layout_p, _layout_lowering)
+
+
+def _layout_transpose(ct, x, *, kind, name, dim, size):
+    # gather <-> scatter are each other's transposes (psum semantics, as lax);
+    # tile's transpose is the gather of the tile's cotangents.
+    other = {"gather": "scatter", "scatter": "gather", "tile": "gather"}[kind]
+    if type(ct) is ad.Zero:
+        return (ad.Zero(x.aval),)
+    return (named_layout_p.bind(ct, kind=other, name=name, dim=dim, size=size),)
+
+
+ad.deflinear2(named_layout_p, _layout_transpose)
+
+
+def _along_vmap_names(x, kind, vmap_names, dim):
+    """Gathers go minor name first, scatters and tiles major name first, so
+    that a position along the logical axis is major-to-minor over the names."""
+    order = tuple(reversed(vmap_names)) if kind == "gather" else vmap_names
+    for name in order:
+        x = named_layout_p.bind(x, kind=kind, name=name, dim=dim,
+                                size=_axis_env.physical_axis_size(name))
+    return x
+
+
 def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False):
     """Gathers ``x`` along named ``axis_name`` (``lax.all_gather``'s semantics).
 
@@ -76,8 +157,8 @@ def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False):
         return lax.all_gather(x, physical, axis=axis, tiled=tiled)
     if not tiled:
         x = jnp.expand_dims(x, axis)
-    if vmap_names:  # minor names first: a local gather (batching makes it a reshape)
-        x = lax.all_gather(x, vmap_names, axis=axis, tiled=True)
+    if vmap_names:  # minor names first: a local gather (a reshape after batching)
+        x = _along_vmap_names(x, "gather", vmap_names, axis)
     if mesh_names:
         mesh_axis = mesh_names if len(mesh_names) > 1 else mesh_names[0]
         fn = _mesh_kernel("all_gather", x, axis_name=mesh_axis, axis=axis, tiled=True)
@@ -112,7 +193,7 @@ def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fals
         x = fn(_ensure_varying(x, mesh_names), mesh_axis, scatter_dimension=dim, tiled=True,
                platform=_mesh_platform())
     if vmap_names:
-        x = lax.psum_scatter(x, vmap_names, scatter_dimension=dim, tiled=True)
+        x = _along_vmap_names(x, "scatter", vmap_names, dim)
     return x if tiled else jnp.squeeze(x, dim)
 
 
@@ -237,9 +318,15 @@ def tile(x, axes: Mapping):
         if x.shape[dim] % size:
             raise NxopsError(f"nx.tile: dim {dim} of x (shape {x.shape}) has size {x.shape[dim]}, "
                              f"not divisible by the size {size} of {name!r}.")
-        physical = _axis_env.resolve((name,), op="nx.tile", allow_loop=True)
-        index = lax.axis_index(physical if len(physical) > 1 else physical[0])
-        x = tile_p.bind(x, index.astype(jnp.int32), dim=dim, count=size, kernels=selection_param())
+        physical, vmap_names, mesh_names = _physical(name, "tile", allow_loop=True)
+        if mesh_names or not vmap_names:  # major part first: this device's tile
+            count = axis_size(mesh_names) if vmap_names else size
+            axes_here = mesh_names or physical
+            index = lax.axis_index(axes_here if len(axes_here) > 1 else axes_here[0])
+            x = tile_p.bind(x, index.astype(jnp.int32), dim=dim, count=count,
+                            kernels=selection_param())
+        if vmap_names:
+            x = _along_vmap_names(x, "tile", vmap_names, dim)
     return x
 
 

@@ -135,7 +135,8 @@ def _mesh_logsumexp(y, mesh_names):
 
 
 def _mesh_prod(y, mesh_names):
-    return jnp.prod(lax.all_gather(y, mesh_names, axis=0, tiled=False), axis=0)
+    gathered = lax.all_gather(y, mesh_names, axis=0, tiled=False, to="invarying")
+    return jnp.prod(gathered, axis=0)
 
 
 def reduce(x, axis, op: str, *, public_name: str | None = None):

@@ -1,0 +1,138 @@
+"""The kernel registry and selection: NXOPS_KERNELS parsing and errors,
+nx.kernels.use, the jit cache key, auto/explicit choice, and explain."""
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nxops as nx
+from nxops.kernels import _registry
+
+
+def test_parse_whole_and_per_family_selections():
+    assert str(nx.kernels.parse_selection("xla")) == "xla"
+    sel = nx.kernels.parse_selection(" Reduce=pallas , einsum=xla ")
+    assert sel.backend_for("reduce") == "pallas"
+    assert sel.backend_for("dot_general") == "xla"
+    assert sel.backend_for("all_gather") == "auto"
+
+
+@pytest.mark.parametrize("value,why", [
+    ("fast", "'fast' is neither a backend nor op=backend"),
+    ("matmul=xla", "unknown op 'matmul'"),
+    ("reduce=cuda", "unknown backend 'cuda'"),
+    ("reduce=xla,reduce=pallas", "given twice"),
+])
+def test_bad_selection_names_value_and_valid_ones(value, why):
+    with pytest.raises(nx.NxopsError, match=why) as info:
+        nx.kernels.parse_selection(value)
+    text = str(info.value)
+    assert "NXOPS_KERNELS" in text and repr(value) in text and "auto, xla, pallas, triton" in text
+
+
+def test_bad_environment_variable_fails_at_import():
+    env = dict(os.environ, NXOPS_KERNELS="bogus")
+    proc = subprocess.run([sys.executable, "-c", "import nxops"], env=env, capture_output=True,
+                          text=True)
+    assert proc.returncode != 0
+    assert "NXOPS_KERNELS='bogus'" in proc.stderr
+
+
+def test_environment_variable_sets_the_default():
+    env = dict(os.environ, NXOPS_KERNELS="reduce=xla")
+    code = "import nxops; print(nxops.kernels.current_selection())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "reduce=xla,einsum=auto,tile=auto,collective=auto"
+
+
+def test_use_is_scoped_and_validated():
+    before = nx.kernels.current_selection()
+    with nx.kernels.use("xla") as sel:
+        assert nx.kernels.current_selection() == sel
+        assert str(sel) == "xla"
+    assert nx.kernels.current_selection() == before
+    with pytest.raises(nx.NxopsError):
+        with nx.kernels.use("nonsense"):
+            pass
+
+
+def test_switching_selection_retraces_jitted_functions():
+    traces = []
+
+    @jax.jit
+    def f(x):
+        traces.append(str(nx.kernels.current_selection()))
+        return nx.sum(x, 0)
+    x = np.ones(4, np.float32)
+    f(x)
+    f(x)
+    with nx.kernels.use("xla"):
+        f(x)
+    f(x)
+    assert traces == ["auto", "xla"]
+
+
+def test_auto_picks_xla_on_cpu_and_explicit_missing_backend_raises():
+    aval = jax.typeof(jnp.ones((3, 4)))
+    choice = _registry.choose("reduce", "cpu", nx.kernels.parse_selection("auto"), (aval,),
+                              axes=(1,), op="sum")
+    assert choice.kernel.backend == "xla"
+    if not any(k.backend == "triton" for k in nx.kernels.registered("reduce")):
+        with pytest.raises(nx.NxopsError, match="'triton' implementation of 'reduce'.*none is registered"):
+            _registry.choose("reduce", "cuda", nx.kernels.parse_selection("triton"), (aval,),
+                             axes=(1,), op="sum")
+
+
+def test_explicit_backend_that_cannot_take_a_case_raises_with_reasons():
+    def picky(*avals, platform, **params):
+        return ["only even sizes"] if avals[0].shape[0] % 2 else []
+    kernel = nx.kernels.Kernel(op="tile", backend="triton", platforms=("cpu",),
+                               fn=lambda *a, **k: None, not_supported_reasons=picky)
+    saved = dict(_registry._KERNELS)
+    try:
+        _registry._KERNELS[("tile", "triton")] = kernel
+        aval = jax.typeof(jnp.ones(3))
+        with pytest.raises(nx.NxopsError, match="cannot run this case.*only even sizes.*tile=auto"):
+            _registry.choose("tile", "cpu", nx.kernels.parse_selection("triton"), (aval,))
+        even = jax.typeof(jnp.ones(4))
+        assert _registry.choose("tile", "cpu", nx.kernels.parse_selection("triton"), (even,)).kernel is kernel
+    finally:
+        _registry._KERNELS.clear()
+        _registry._KERNELS.update(saved)
+
+
+def test_registering_twice_is_an_error():
+    existing = nx.kernels.registered("reduce")[0]
+    clone = nx.kernels.Kernel(op=existing.op, backend=existing.backend,
+                              platforms=existing.platforms, fn=existing.fn)
+    with pytest.raises(ValueError, match="already registered"):
+        nx.kernels.register(clone)
+
+
+def test_explain_reports_every_kernel_op():
+    def program(x, w):
+        y = jax.vmap(lambda r: nx.einsum("i<n>,ij->j<n>", r, w), axis_name="n")(x)
+        return nx.logsumexp(y, (0, 1))
+    x, w = np.ones((4, 3), np.float32), np.ones((3, 2), np.float32)
+    report = nx.kernels.explain(program, x, w)
+    assert report.backends() == {"dot_general": {"xla"}, "reduce": {"xla"}}
+    text = str(report)
+    assert "dot_general" in text and "xla:reduce" in text and "on cpu" in text
+    # Explaining twice (jit caches warm) reports the same.
+    assert nx.kernels.explain(program, x, w).backends() == report.backends()
+
+
+def test_explain_program_without_nxops_ops():
+    assert "no nxops kernel ops" in str(nx.kernels.explain(lambda x: x + 1, np.ones(2)))
+
+
+def test_lowering_reports_unbound_names():
+    # Names left after batching cannot lower (an internal invariant, checked).
+    from nxops.ops._reduce import reduce_p
+    with pytest.raises(nx.NxopsError, match="unbound names"):
+        jax.jit(lambda x: reduce_p.bind(x, axes=(), op="sum", axis_names=("q",),
+                                        kernels="auto")).lower(np.ones(2, np.float32))
