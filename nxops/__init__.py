@@ -11,10 +11,15 @@ from nxops.ops import (
     pdot, pmax, pmean, pmin, ppermute, prod, psum, psum_scatter, sum, tile, untile,
 )
 
+# Import the frontend package fully, then bind the *function*: importing the
+# package `nxops.xmap` set the attribute `nxops.xmap` to the module.
+import nxops.xmap as _xmap_package  # noqa: E402
+from nxops.xmap import SerialLoop, serial_loop, xmap  # noqa: E402
+
 __version__ = "0.1.0"
 
 __all__ = [
-    "NxopsError", "all_gather", "all_to_all", "axis_index", "axis_size", "einsum", "kernels",
+    "NxopsError", "SerialLoop", "serial_loop", "xmap", "all_gather", "all_to_all", "axis_index", "axis_size", "einsum", "kernels",
     "logsumexp", "max", "mean", "min", "one_hot", "pdot", "pmax", "pmean", "pmin", "ppermute",
     "prod", "psum", "psum_scatter", "sum", "tile", "untile",
 ]
