@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import functools
 from typing import Any, Callable, Sequence
 
 import jax
-from jax._src import core as _core
+from jax._src import mesh as _mesh_lib
+from jax._src.array import ArrayImpl as _ArrayImpl
 from jax.sharding import Mesh, NamedSharding
 
 from nxops._errors import NxopsError
@@ -18,7 +18,7 @@ from nxops.xmap._plan import (Plan, check_shared_resources, mesh_in_scope,
 from nxops.xmap._program import build_program
 from nxops.xmap._resources import loops_in_scope
 from nxops.xmap._specs import (AxisSpec, broadcast_specs, infer_axis_sizes, parse_spec_tree,
-                               spec_leaves, spec_names)
+                               spec_names)
 
 # The mesh in scope when the enclosing xmap was called (None: no enclosing xmap).
 _ENCLOSING_MESH: contextvars.ContextVar[tuple[Mesh | None] | None] = contextvars.ContextVar(
@@ -34,54 +34,14 @@ def _enclosing_mesh(mesh: Mesh | None):
         _ENCLOSING_MESH.reset(token)
 
 
-def _leaf_signature(x: Any) -> tuple:
-    if isinstance(x, _core.Tracer):
-        return (x.shape, x.dtype)
-    if isinstance(x, jax.Array):
-        return (x.shape, x.dtype, x.sharding if x.committed else None)
-    return (type(x), getattr(x, "shape", None), getattr(x, "dtype", None))
-
-
 def _shape(x: Any) -> tuple[int, ...]:
-    return tuple(getattr(x, "shape", None) if hasattr(x, "shape") else jax.numpy.shape(x))
-
-
-@dataclasses.dataclass
-class _Compiled:
-    """The plan and jitted program for one argument signature."""
-
-    plan: Plan
-    jitted: Any
-    in_tree: Any
-    puts: tuple[tuple[int, NamedSharding], ...]   # committed inputs on other devices
-    set_mesh: bool                                # legacy `with mesh:` only
-
-    def _prepare(self, args: tuple) -> tuple:
-        if not self.puts:
-            return args
-        leaves = jax.tree.leaves(args)
-        for i, sharding in self.puts:
-            leaves[i] = jax.device_put(leaves[i], sharding)
-        return jax.tree.unflatten(self.in_tree, leaves)
-
-    def _context(self):
-        return jax.set_mesh(self.plan.mesh) if self.set_mesh else contextlib.nullcontext()
-
-    def __call__(self, args: tuple):
-        args = self._prepare(args)
-        with self._context():
-            return self.jitted(*args)
-
-    def lower(self, args: tuple):
-        args = self._prepare(args)
-        with self._context():
-            return self.jitted.lower(*args)
+    return tuple(x.shape) if hasattr(x, "shape") else tuple(jax.numpy.shape(x))
 
 
 class XmapFunction:
-    """The callable ``nx.xmap`` returns: caches a plan and a jitted program per
-    argument signature (pytree structure, shapes, dtypes, placement, and the
-    mesh, loops and enclosing named axes in scope)."""
+    """The callable ``nx.xmap`` returns. It keeps one ``jax.jit`` per context
+    (mesh, serial loops and enclosing named axes in scope); jit caches the
+    plan's program per argument structure, shapes, dtypes and shardings."""
 
     def __init__(self, fun: Callable, in_axes: Any, out_axes: Any, *,
                  axis_sizes: dict[str, int] | None, axis_resources: dict | None,
@@ -94,23 +54,22 @@ class XmapFunction:
         self._out_axes = parse_spec_tree(out_axes, "out_axes")
         self._axis_sizes = dict(axis_sizes or {})
         for name, size in self._axis_sizes.items():
-            if not isinstance(size, int) or size < 1:
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise NxopsError(f"axis_sizes[{name!r}] = {size!r}: sizes are positive ints.")
         in_names = spec_names(self._in_axes)
-        self._names = list(dict.fromkeys(in_names + list(self._axis_sizes)
-                                         + spec_names(self._out_axes)))
-        defined = set(in_names) | set(self._axis_sizes)
+        defined = list(dict.fromkeys(in_names + list(self._axis_sizes)))
         missing = [n for n in spec_names(self._out_axes) if n not in defined]
         if missing:
             raise NxopsError(
                 f"All axis names appearing in out_axes must also appear in in_axes or "
                 f"axis_sizes, but the following are missing: {', '.join(map(repr, missing))} "
                 f"(out_axes={out_axes!r}). Give their sizes with axis_sizes={{name: size}}.")
-        self._resources = normalize_axis_resources(axis_resources, list(dict.fromkeys(
-            in_names + list(self._axis_sizes))))
-        self._donate_argnums = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+        self._names = defined
+        self._resources = normalize_axis_resources(axis_resources, defined)
+        self._donate_argnums = ((donate_argnums,) if isinstance(donate_argnums, int)
+                                else tuple(donate_argnums))
         self._backend = backend
-        self._cache: dict[tuple, _Compiled] = {}
+        self._by_context: dict[tuple, Any] = {}
         functools.update_wrapper(self, fun)
 
     def __repr__(self) -> str:
@@ -121,25 +80,50 @@ class XmapFunction:
         if kwargs:
             raise NxopsError("xmapped functions take positional arguments only "
                              f"(got keywords {sorted(kwargs)}).")
-        return self._compiled(args)(args)
+        jitted = self._jitted()
+        try:
+            return jitted(*args)
+        except ValueError as e:
+            if isinstance(e, NxopsError) or "incompatible devices" not in str(e):
+                raise
+        # Inputs committed to devices other than the mesh's: move them, then retry.
+        return jitted(*self._place_on_mesh(args))
 
     def lower(self, *args) -> jax.stages.Lowered:
         """Lowers for these arguments (``.compile()``, ``.as_text()``, ...)."""
-        return self._compiled(args).lower(args)
+        return self._jitted().lower(*self._place_on_mesh(args))
 
-    # -- planning --------------------------------------------------------
+    # -- the jitted program, one per context --------------------------------
 
-    def _compiled(self, args: tuple) -> _Compiled:
-        leaves, tree = jax.tree.flatten(args)
-        mesh = mesh_in_scope()
-        key = (tree, tuple(map(_leaf_signature, leaves)), mesh, loops_in_scope(),
-               tuple(current_logical_axes().items()), jax.sharding.get_abstract_mesh())
-        compiled = self._cache.get(key)
-        if compiled is None:
-            compiled = self._cache[key] = self._build(args, leaves, tree, mesh)
-        return compiled
+    def _jitted(self):
+        # jax.jit caches traces and executables per argument shapes, dtypes and
+        # shardings, and the plan is made while tracing: a repeated call costs
+        # a jit call plus this lookup (no re-parsing, no re-planning).
+        env = current_logical_axes()
+        key = (mesh_in_scope(), loops_in_scope(), tuple(env.items()) if env else ())
+        jitted = self._by_context.get(key)
+        if jitted is None:
+            jitted = self._by_context[key] = self._make_jitted(key[0])
+        return jitted
 
-    def _build(self, args: tuple, leaves: list, tree, mesh: Mesh | None) -> _Compiled:
+    def _make_jitted(self, mesh: Mesh | None):
+        def run(*args):
+            plan, flat_specs = self._plan(args, mesh)
+            program, outputs = build_program(self._fun, plan, jax.tree.structure(args),
+                                             flat_specs, self._out_axes, self._user_out_axes)
+            with logical_axes(plan.logical_axes()), _enclosing_mesh(mesh):
+                results = program(*jax.tree.leaves(args))
+            return jax.tree.unflatten(outputs.tree, results)
+
+        run.__name__ = getattr(self._fun, "__name__", "xmapped")
+        jit_kwargs = {"backend": self._backend} if self._backend is not None else {}
+        jitted = jax.jit(run, donate_argnums=self._donate_argnums, **jit_kwargs)
+        if mesh is None or not _concrete_mesh_unset():
+            return jitted
+        return _UnderMesh(mesh, jitted)   # the legacy `with mesh:`
+
+    def _plan(self, args: tuple, mesh: Mesh | None) -> tuple[Plan, list[AxisSpec]]:
+        """Checks the arguments against the specs and plans every named axis."""
         enclosing = _ENCLOSING_MESH.get()
         if enclosing is not None and enclosing[0] != mesh:
             raise NxopsError(
@@ -153,9 +137,9 @@ class XmapFunction:
                 f"{', '.join(map(repr, shadowed))} already named by an enclosing xmap. "
                 f"Rename the inner axes (the inner body may use the outer names).")
         flat_specs = broadcast_specs(self._in_axes, args, "in_axes", self._user_in_axes)
-        paths = [f"args{jax.tree_util.keystr(p)}"
-                 for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
-        shapes = [_shape(x) for x in leaves]
+        path_leaves = jax.tree_util.tree_flatten_with_path(args)[0]
+        paths = [f"args{jax.tree_util.keystr(p)}" for p, _ in path_leaves]
+        shapes = [_shape(x) for _, x in path_leaves]
         sizes = infer_axis_sizes(flat_specs, shapes, paths, self._axis_sizes)
         unknown = [n for n in self._names if n not in sizes]
         if unknown:
@@ -167,37 +151,42 @@ class XmapFunction:
         plan = plan_axis_resources(sizes, self._resources, self._names)
         for spec, path in zip(flat_specs, paths):
             check_shared_resources(plan, spec, f"argument {path}")
-        program, outputs = build_program(self._fun, plan, tree, flat_specs,
-                                         self._out_axes, self._user_out_axes)
-        env = plan.logical_axes()
+        return plan, flat_specs
 
-        def run(*call_args):
-            with logical_axes(env), _enclosing_mesh(mesh):
-                results = program(*jax.tree.leaves(call_args))
-            return jax.tree.unflatten(outputs.tree, results)
-
-        run.__name__ = getattr(self._fun, "__name__", "xmapped")
-        jit_kwargs = {"backend": self._backend} if self._backend is not None else {}
-        jitted = jax.jit(run, donate_argnums=self._donate_argnums, **jit_kwargs)
-        return _Compiled(plan, jitted, tree, self._placements(plan, flat_specs, leaves),
-                         plan.mesh is not None and _core_mesh_unset())
-
-    @staticmethod
-    def _placements(plan: Plan, flat_specs: list[AxisSpec], leaves: list):
-        if plan.mesh is None or jax.sharding.get_abstract_mesh().manual_axes:
-            return ()
-        devices = set(plan.mesh.devices.flat)
-        puts = []
-        for i, (x, spec) in enumerate(zip(leaves, flat_specs)):
-            if (isinstance(x, jax.Array) and not isinstance(x, _core.Tracer) and x.committed
-                    and x.sharding.device_set != devices):
-                puts.append((i, NamedSharding(plan.mesh, plan.partition_spec(spec, x.ndim))))
-        return tuple(puts)
+    def _place_on_mesh(self, args: tuple) -> tuple:
+        """``device_put`` committed inputs that live on devices outside the mesh."""
+        mesh = mesh_in_scope()
+        leaves, tree = jax.tree.flatten(args)
+        committed = [isinstance(x, _ArrayImpl) and x.committed for x in leaves]
+        if mesh is None or not any(committed) or _mesh_lib.get_abstract_mesh().manual_axes:
+            return args
+        plan, flat_specs = self._plan(args, mesh)
+        if plan.mesh is None:
+            return args
+        devices = set(mesh.devices.flat)
+        leaves = [jax.device_put(x, NamedSharding(mesh, plan.partition_spec(spec, x.ndim)))
+                  if c and x.sharding.device_set != devices else x
+                  for x, spec, c in zip(leaves, flat_specs, committed)]
+        return jax.tree.unflatten(tree, leaves)
 
 
-def _core_mesh_unset() -> bool:
-    from jax._src import mesh as mesh_lib
-    current = mesh_lib.get_concrete_mesh()
+class _UnderMesh:
+    """A jitted program called under ``jax.set_mesh`` (for the legacy ``with mesh:``)."""
+
+    def __init__(self, mesh: Mesh, jitted):
+        self._mesh, self._jitted = mesh, jitted
+
+    def __call__(self, *args):
+        with jax.set_mesh(self._mesh):
+            return self._jitted(*args)
+
+    def lower(self, *args):
+        with jax.set_mesh(self._mesh):
+            return self._jitted.lower(*args)
+
+
+def _concrete_mesh_unset() -> bool:
+    current = _mesh_lib.get_concrete_mesh()
     return current is None or current.empty
 
 
@@ -223,8 +212,8 @@ def xmap(fun: Callable, in_axes: Any, out_axes: Any, *,
       donate_argnums, backend: as for ``jax.jit``.
 
     Returns:
-      A callable (also ``.lower(*args)`` -> ``jax.stages.Lowered``) that caches
-      its plan and compiled program per argument signature.
+      A callable (also ``.lower(*args)`` -> ``jax.stages.Lowered``) whose plan
+      and compiled program are cached per argument signature.
     """
     return XmapFunction(fun, in_axes, out_axes, axis_sizes=axis_sizes,
                         axis_resources=axis_resources, donate_argnums=donate_argnums,
