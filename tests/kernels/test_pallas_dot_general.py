@@ -1,0 +1,183 @@
+"""The Pallas contraction (``nxops/kernels/pallas/dot_general.py``) in
+interpret mode, both kernel styles, against ``lax.dot_general`` (the xla
+reference) and NumPy (float64 einsum), forward and gradient."""
+import math
+import string
+
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from nxops._errors import NxopsError
+from nxops.kernels import _registry
+from nxops.kernels.pallas import dot_general as pallas_dot
+from nxops.kernels.xla import dot_general as xla_dot
+from tests.kernels._tolerances import assert_close, small_blocks
+
+STYLES = ("triton", "mosaic")
+HIGHEST = lax.Precision.HIGHEST
+MATMUL = (((1,), (0,)), ((), ()))
+
+# (a shape, b shape, dimension_numbers): plain matmul 1xK / Mx1 / odd sizes,
+# several blocks in M, N and K (with the small test blocks of each style),
+# batched with batch dims not in front, contraction over several dims in any
+# order, a vector dot, and an outer product (K = 1).
+CASES = [
+    ((1, 40), (40, 33), MATMUL),
+    ((37, 5), (5, 1), MATMUL),
+    ((40, 300), (300, 270), MATMUL),
+    ((2, 5, 7), (2, 9, 7), (((2,), (2,)), ((0,), (0,)))),
+    ((7, 3, 5), (2, 7, 3), (((0, 1), (1, 2)), ((), ()))),
+    ((3, 4, 37, 2), (2, 37, 3, 20), (((2,), (1,)), ((3, 0), (0, 2)))),
+    ((6,), (6,), (((0,), (0,)), ((), ()))),
+    ((5, 1), (1, 6), MATMUL),
+]
+
+
+def operands(shape_a, shape_b, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    return (jnp.asarray(rng.standard_normal(shape_a), dtype),
+            jnp.asarray(rng.standard_normal(shape_b), dtype))
+
+
+def numpy_dot_general(a, b, dimension_numbers):
+    """float64 einsum with the output order of lax.dot_general."""
+    (ac, bc), (ab, bb) = dimension_numbers
+    letters = iter(string.ascii_letters)
+    a_sub = [next(letters) for _ in range(a.ndim)]
+    b_sub = [next(letters) for _ in range(b.ndim)]
+    for i, j in [*zip(ac, bc), *zip(ab, bb)]:
+        b_sub[j] = a_sub[i]
+    out = ([a_sub[i] for i in ab] + [a_sub[i] for i in range(a.ndim) if i not in ac + ab]
+           + [b_sub[j] for j in range(b.ndim) if j not in bc + bb])
+    as64 = lambda v: np.asarray(jnp.asarray(v, jnp.float32), np.float64)  # noqa: E731
+    return np.einsum(f"{''.join(a_sub)},{''.join(b_sub)}->{''.join(out)}", as64(a), as64(b))
+
+
+def contracted_size(a, dimension_numbers):
+    return math.prod(a.shape[d] for d in dimension_numbers[0][0])
+
+
+def pallas_fn(style, dn, **kw):
+    return jax.jit(lambda a, b: pallas_dot.dot_general_in_style(
+        a, b, dimension_numbers=dn, style=style, **kw))
+
+
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("shape_a,shape_b,dn", CASES, ids=[f"{a}x{b}" for a, b, _ in CASES])
+def test_matches_reference_and_numpy_f32(style, shape_a, shape_b, dn):
+    a, b = operands(shape_a, shape_b, jnp.float32)
+    with small_blocks(style):
+        got = pallas_fn(style, dn, precision=HIGHEST)(a, b)
+    want = xla_dot.dot_general(a, b, dimension_numbers=dn, precision=HIGHEST)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    scale = math.sqrt(contracted_size(a, dn))
+    assert_close(got, want, jnp.float32, scale)
+    assert_close(got, numpy_dot_general(a, b, dn), jnp.float32, scale)
+
+
+@pytest.mark.parametrize("dtype,style", [(jnp.bfloat16, "triton"), (jnp.bfloat16, "mosaic"),
+                                         (jnp.float16, "triton")])
+@pytest.mark.parametrize("preferred", [None, jnp.float32])
+def test_half_precision_inputs_and_output_dtype(dtype, style, preferred):
+    shape_a, shape_b, dn = CASES[2]
+    a, b = operands(shape_a, shape_b, dtype)
+    with small_blocks(style):
+        got = pallas_fn(style, dn, preferred_element_type=preferred)(a, b)
+    want = lax.dot_general(a, b, dn, preferred_element_type=preferred)
+    assert got.dtype == want.dtype
+    # The kernel accumulates in f32: against float64 only the output is rounded.
+    out_dtype = preferred or dtype
+    scale = math.sqrt(contracted_size(a, dn))
+    assert_close(got, numpy_dot_general(a, b, dn), out_dtype, scale)
+
+
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("case", [2, 3, 5])
+def test_gradient_matches_reference(style, case):
+    shape_a, shape_b, dn = CASES[case]
+    a, b = operands(shape_a, shape_b, jnp.float32, seed=case)
+    w = jnp.asarray(np.random.default_rng(9).standard_normal(
+        lax.dot_general(a, b, dn).shape), jnp.float32)
+
+    def loss(fn, a, b):
+        return jnp.sum(fn(a, b, dimension_numbers=dn, precision=HIGHEST) * w)
+
+    with small_blocks(style):
+        got = jax.jit(jax.grad(lambda a, b: loss(
+            lambda *x, **kw: pallas_dot.dot_general_in_style(*x, style=style, **kw), a, b),
+            argnums=(0, 1)))(a, b)
+    want = jax.grad(lambda a, b: loss(xla_dot.dot_general, a, b), argnums=(0, 1))(a, b)
+    scale = math.sqrt(max(a.size, b.size))
+    for g, h in zip(got, want):
+        assert_close(g, h, jnp.float32, scale)
+
+
+@st.composite
+def dot_general_problems(draw):
+    """Random operand shapes and dimension_numbers (batch, contracting and
+    free dims in random positions of both operands)."""
+    kinds = draw(st.lists(st.sampled_from(["batch", "contract", "a_free", "b_free"]),
+                          min_size=1, max_size=5))
+    sizes = [draw(st.integers(1, 20)) for _ in kinds]
+    a_dims = [i for i, k in enumerate(kinds) if k != "b_free"]
+    b_dims = [i for i, k in enumerate(kinds) if k != "a_free"]
+    a_order = draw(st.permutations(a_dims))
+    b_order = draw(st.permutations(b_dims))
+    pos_a = {d: p for p, d in enumerate(a_order)}
+    pos_b = {d: p for p, d in enumerate(b_order)}
+    pick = lambda kind, pos: tuple(pos[i] for i, k in enumerate(kinds) if k == kind)  # noqa: E731
+    dn = ((pick("contract", pos_a), pick("contract", pos_b)),
+          (pick("batch", pos_a), pick("batch", pos_b)))
+    return (tuple(sizes[d] for d in a_order), tuple(sizes[d] for d in b_order), dn)
+
+
+@hypothesis.settings(max_examples=15, deadline=None, derandomize=True)
+@hypothesis.given(problem=dot_general_problems(), style=st.sampled_from(STYLES))
+def test_random_dimension_numbers(problem, style):
+    shape_a, shape_b, dn = problem
+    a, b = operands(shape_a, shape_b, jnp.float32)
+    with small_blocks(style):
+        got = pallas_fn(style, dn, precision=HIGHEST)(a, b)
+    scale = math.sqrt(max(1, contracted_size(a, dn)))
+    assert_close(got, numpy_dot_general(a, b, dn), jnp.float32, scale)
+
+
+def test_default_platform_cpu_runs_interpret_mode():
+    a, b = operands((9, 10), (10, 11), jnp.float32)
+    got = pallas_dot.dot_general(a, b, dimension_numbers=MATMUL, precision=HIGHEST)
+    assert_close(got, numpy_dot_general(a, b, MATMUL), jnp.float32, math.sqrt(10))
+
+
+@pytest.mark.parametrize("a_dtype,b_dtype,platform,kw,reason", [
+    (jnp.int32, jnp.int32, "cuda", {}, "integer"),
+    (jnp.float32, jnp.bfloat16, "cuda", {}, "different dtypes"),
+    (jnp.float16, jnp.float16, "tpu", {}, "float16"),
+    (jnp.float32, jnp.float32, "tpu", {"precision": lax.Precision.HIGH}, "HIGH"),
+    (jnp.float32, jnp.float32, "cuda", {"precision": lax.DotAlgorithmPreset.BF16_BF16_F32},
+     "DotAlgorithmPreset"),
+])
+def test_unsupported_cases_fall_back_or_raise(a_dtype, b_dtype, platform, kw, reason):
+    avals = [jax.ShapeDtypeStruct((4, 8), a_dtype), jax.ShapeDtypeStruct((8, 2), b_dtype)]
+    params = dict(dimension_numbers=MATMUL, precision=None, preferred_element_type=None)
+    params.update(kw)
+    auto = _registry.choose("dot_general", platform, _registry.parse_selection("auto"), avals,
+                            **params)
+    assert auto.kernel.backend == "xla"
+    assert any(reason in r for _, rs in auto.passed_over for r in rs)
+    with pytest.raises(NxopsError, match=reason):
+        _registry.choose("dot_general", platform, _registry.parse_selection("pallas"), avals,
+                         **params)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_registry_picks_pallas_for_supported_cases(platform):
+    avals = [jax.ShapeDtypeStruct((4, 8), jnp.bfloat16), jax.ShapeDtypeStruct((8, 2), jnp.bfloat16)]
+    choice = _registry.choose("dot_general", platform, _registry.parse_selection("auto"), avals,
+                              dimension_numbers=MATMUL, precision=None,
+                              preferred_element_type=jnp.float32)
+    assert choice.kernel is pallas_dot.KERNEL
