@@ -1,0 +1,88 @@
+"""The Pallas tile (``nxops/kernels/pallas/tile.py``) in interpret mode, both
+kernel styles, against the xla reference (``lax.dynamic_slice_in_dim``) and
+NumPy slicing: a copy, so results must match exactly."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nxops.kernels import _registry
+from nxops.kernels.pallas import tile as pallas_tile
+from nxops.kernels.xla import tile as xla_tile
+from tests.kernels._tolerances import small_blocks
+
+STYLES = ("triton", "mosaic")
+
+# (shape, dim, count): tiles along the first, middle and last dim, a tile
+# length that is a multiple of 128 (dense TPU layout) and one that is not,
+# odd sizes, one tile per element, and a 1-D array.
+CASES = [
+    ((12, 5), 0, 3),
+    ((12, 5), 1, 5),
+    ((3, 8, 256), 1, 4),
+    ((4, 6, 7), -1, 7),
+    ((40,), 0, 2),
+    ((2, 2, 1024), 2, 2),
+    ((9, 4, 3), 1, 2),
+]
+
+
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("shape,dim,count", CASES, ids=[f"{s}-{d}-{c}" for s, d, c in CASES])
+def test_matches_reference_and_numpy(style, shape, dim, count):
+    x = jnp.asarray(np.random.default_rng(0).standard_normal(shape), jnp.float32)
+    with small_blocks(style):
+        fn = jax.jit(lambda x, i: pallas_tile.tile_in_style(x, i, dim=dim, count=count, style=style))
+        for index in [0, count - 1, count + 3, -1, -count - 2]:  # incl. out of range (clamped)
+            got = fn(x, jnp.int32(index))
+            want = xla_tile.tile(x, jnp.int32(index), dim=dim, count=count)
+            np.testing.assert_array_equal(got, want)
+        size = shape[dim] // count
+        np.testing.assert_array_equal(
+            fn(x, jnp.int32(1 % count)),
+            np.take(np.asarray(x), np.arange(size) + (1 % count) * size, axis=dim))
+
+
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.int32])
+def test_dtypes_copy_exactly(style, dtype):
+    x = jnp.asarray(np.arange(3 * 8 * 20).reshape(3, 8, 20) % 97, dtype)
+    with small_blocks(style):
+        got = jax.jit(lambda x, i: pallas_tile.tile_in_style(x, i, dim=1, count=4, style=style))(
+            x, jnp.int32(2))
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(got, x[:, 4:6, :])
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_gradient_places_the_cotangent_at_the_tile(style):
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((6, 10, 3)), jnp.float32)
+    w = jnp.asarray(np.random.default_rng(2).standard_normal((6, 5, 3)), jnp.float32)
+    with small_blocks(style):
+        got = jax.jit(jax.grad(lambda x, i: jnp.sum(
+            pallas_tile.tile_in_style(x, i, dim=1, count=2, style=style) * w)))(x, jnp.int32(1))
+    want = jax.grad(lambda x: jnp.sum(xla_tile.tile(x, jnp.int32(1), dim=1, count=2) * w))(x)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_default_platform_cpu_takes_a_traced_index():
+    x = jnp.arange(24.0).reshape(4, 6)
+    fn = jax.jit(lambda x, i: pallas_tile.tile(x, i, dim=0, count=4))
+    for i in range(4):
+        np.testing.assert_array_equal(fn(x, jnp.int32(i)), x[i:i + 1])
+
+
+@pytest.mark.parametrize("shape,dtype,platform,backend", [
+    ((8, 4), jnp.float32, "cuda", "pallas"),
+    ((8, 4), jnp.bfloat16, "tpu", "pallas"),
+    ((7, 4), jnp.float32, "cuda", "xla"),   # 7 rows do not split into 2 tiles
+    ((8, 4), jnp.int8, "cuda", "xla"),      # 8-bit elements
+    ((8, 4), jnp.float16, "tpu", "xla"),
+])
+def test_registry_choice(shape, dtype, platform, backend):
+    avals = [jax.ShapeDtypeStruct(shape, dtype), jax.ShapeDtypeStruct((), jnp.int32)]
+    choice = _registry.choose("tile", platform, _registry.parse_selection("auto"), avals,
+                              dim=0, count=2)
+    assert choice.kernel.backend == backend
+    if backend == "xla":
+        assert choice.passed_over and choice.passed_over[0][0] == "pallas"
