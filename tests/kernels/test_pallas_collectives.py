@@ -192,8 +192,8 @@ def test_registered_for_cpu_and_tpu():
         choice = _registry.choose("reduce_scatter", platform, selection, [x], axis_name="x",
                                   scatter_dimension=0, tiled=True)
         assert choice.kernel is pallas_collectives.REDUCE_SCATTER
-    with pytest.raises(NxopsError, match="runs on cpu, tpu, not cuda"):
-        _registry.choose("all_gather", "cuda", selection, [x], axis_name="x", axis=0, tiled=True)
+    with pytest.raises(NxopsError, match="runs on cpu, cuda, tpu, not rocm"):
+        _registry.choose("all_gather", "rocm", selection, [x], axis_name="x", axis=0, tiled=True)
 
 
 @pytest.mark.parametrize("aval,axis_name,platform,reason", [
@@ -216,3 +216,55 @@ def test_not_supported_reasons(aval, axis_name, platform, reason):
     with pytest.raises(NxopsError, match="cannot run this case"):
         _registry.choose("reduce_scatter", platform, selection, [aval], axis_name=axis_name,
                          scatter_dimension=0, tiled=True)
+
+
+# ---------------------------------------------------------------------------
+# CUDA: JAX's Mosaic GPU multimem collectives, opt-in, lowered on CPU
+
+
+@pytest.mark.parametrize("op,params", [
+    ("all_gather", dict(axis=0, tiled=False)),
+    ("all_gather", dict(axis=1, tiled=True)),
+    ("reduce_scatter", dict(scatter_dimension=1, tiled=True)),
+])
+def test_cuda_lowers_to_mosaic_gpu_when_opted_in(monkeypatch, op, params):
+    monkeypatch.setenv("NXOPS_MGPU_COLLECTIVES", "1")
+    mesh = make_mesh((8,), ("x",))
+    x = jax.ShapeDtypeStruct((8 * 64, 256), jnp.bfloat16, sharding=jax.NamedSharding(mesh, P("x")))
+    ours = getattr(pallas_collectives, op)
+    reference = getattr(xla_collectives, op)
+    fn = jax.jit(jax.shard_map(lambda s: ours(s, "x", platform="cuda", **params),
+                               mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    text = fn.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and "stablehlo.all_gather" not in text
+    want = jax.shard_map(lambda s: reference(s, "x", **params), mesh=mesh, in_specs=P("x"),
+                         out_specs=P("x"))
+    assert jax.eval_shape(fn, x).shape == jax.eval_shape(want, x).shape
+
+
+def test_cuda_needs_opt_in_one_axis_meshes_and_128_element_pieces(monkeypatch):
+    x = jax.ShapeDtypeStruct((64, 256), jnp.float32)
+    selection = _registry.parse_selection("collective=pallas")
+    monkeypatch.delenv("NXOPS_MGPU_COLLECTIVES", raising=False)
+    with pytest.raises(NxopsError, match="NXOPS_MGPU_COLLECTIVES=1"):
+        _registry.choose("all_gather", "cuda", selection, [x], axis_name="x", axis=0, tiled=True)
+    auto = _registry.choose("all_gather", "cuda", _registry.parse_selection("auto"), [x],
+                            axis_name="x", axis=0, tiled=True)
+    assert auto.kernel.backend == "xla"  # NCCL unless opted in
+
+    monkeypatch.setenv("NXOPS_MGPU_COLLECTIVES", "1")
+    reasons = pallas_collectives.all_gather_not_supported_reasons
+    assert reasons(x, "x", platform="cuda", axis=0, tiled=True) == []
+    assert "multiple of 128" in " ".join(
+        reasons(jax.ShapeDtypeStruct((3, 5), jnp.float32), "x", platform="cuda", axis=0, tiled=True))
+
+    found = []
+    mesh = make_mesh((4, 2), ("x", "y"))
+
+    def body(s):
+        found.extend(reasons(jax.typeof(s), "x", platform="cuda", axis=0, tiled=True))
+        return s
+
+    jax.make_jaxpr(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))(
+        jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=jax.NamedSharding(mesh, P("x"))))
+    assert any("every mesh axis" in r for r in found), found

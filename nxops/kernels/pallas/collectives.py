@@ -9,6 +9,8 @@ Both are called inside a ``jax.shard_map`` body where ``axis_name`` is one
 manual mesh axis. ``platform="tpu"`` lowers to Mosaic; ``platform="cpu"`` runs
 the same kernel under the TPU interpret mode, which simulates the devices'
 memories, remote DMAs and semaphores on the (simulated) CPU devices.
+``platform="cuda"`` uses JAX's Mosaic GPU multimem collectives, opt-in
+(``_collectives_mgpu.py``).
 
 Layout: the kernels index only the *leading* dimension with a device index.
 The wrappers move the gathered / scattered dimension to the front (a free
@@ -39,6 +41,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.interpreters import mlir
 
 from nxops.kernels._registry import Kernel, register
+from nxops.kernels.pallas import _collectives_mgpu
 from nxops.kernels.xla import collectives as xla_collectives
 
 # Barrier semaphores of different collective kernels must not be confused.
@@ -194,6 +197,8 @@ def all_gather(x: jax.Array, axis_name, *, axis: int, tiled: bool, platform: str
     if n == 1:  # nothing to move
         return xla_collectives.all_gather(x, axis_name, axis=axis, tiled=tiled)
     x = _varying(x, axis_name)
+    if platform == "cuda":
+        return _collectives_mgpu.all_gather(x, axis_name, axis=axis, tiled=tiled)
     kernel = functools.partial(_all_gather_kernel, axis_name=axis_name,
                                halves=_split(x.shape, x.dtype.itemsize))
     stacked = _pallas_call(
@@ -272,6 +277,8 @@ def reduce_scatter(x: jax.Array, axis_name, *, scatter_dimension: int, tiled: bo
         raise ValueError(f"reduce_scatter: dimension {d} of {x.shape} must be {want}")
     m = x.shape[d] // n
     x = _varying(x, axis_name)
+    if platform == "cuda":
+        return _collectives_mgpu.reduce_scatter(x, axis_name, scatter_dimension=d, tiled=tiled)
     chunk_shape = x.shape[:d] + (m,) + x.shape[d + 1:]
     chunks = jnp.moveaxis(x.reshape(x.shape[:d] + (n, m) + x.shape[d + 1:]), d, 0)
     kernel = functools.partial(_reduce_scatter_kernel, axis_name=axis_name,
@@ -380,13 +387,15 @@ def _reasons(x, axis_name, platform, dtypes) -> list[str]:
 
 def all_gather_not_supported_reasons(x, axis_name=None, *, platform, **params) -> list[str]:
     """Why the Pallas all-gather cannot take this case (empty when it can)."""
-    del params
+    if platform == "cuda":
+        return _collectives_mgpu.not_supported_reasons(x, axis_name, op="all_gather", **params)
     return _reasons(x, axis_name, platform, ALL_GATHER_DTYPES)
 
 
 def reduce_scatter_not_supported_reasons(x, axis_name=None, *, platform, **params) -> list[str]:
     """Why the Pallas reduce-scatter cannot take this case (empty when it can)."""
-    del params
+    if platform == "cuda":
+        return _collectives_mgpu.not_supported_reasons(x, axis_name, op="reduce_scatter", **params)
     reasons = _reasons(x, axis_name, platform, REDUCE_SCATTER_DTYPES)
     nbytes = math.prod(x.shape) * np.dtype(x.dtype).itemsize
     if platform == "tpu" and 2.5 * nbytes > MAX_TPU_REDUCE_SCATTER_VMEM_BYTES:
@@ -397,14 +406,14 @@ def reduce_scatter_not_supported_reasons(x, axis_name=None, *, platform, **param
 
 
 ALL_GATHER = register(Kernel(
-    op="all_gather", backend="pallas", platforms=("cpu", "tpu"), fn=all_gather,
+    op="all_gather", backend="pallas", platforms=("cpu", "cuda", "tpu"), fn=all_gather,
     not_supported_reasons=all_gather_not_supported_reasons,
     description="Pallas TPU ring all-gather, bidirectional where the shard splits "
-                "(remote DMAs; TPU interpret mode on CPU)",
+                "(remote DMAs; TPU interpret mode on CPU); opt-in Mosaic GPU multimem on cuda",
 ))
 REDUCE_SCATTER = register(Kernel(
-    op="reduce_scatter", backend="pallas", platforms=("cpu", "tpu"), fn=reduce_scatter,
+    op="reduce_scatter", backend="pallas", platforms=("cpu", "cuda", "tpu"), fn=reduce_scatter,
     not_supported_reasons=reduce_scatter_not_supported_reasons,
     description="Pallas TPU ring reduce-scatter, bidirectional where the chunk splits "
-                "(remote DMAs; TPU interpret mode on CPU)",
+                "(remote DMAs; TPU interpret mode on CPU); opt-in Mosaic GPU multimem on cuda",
 ))
