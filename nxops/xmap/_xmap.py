@@ -20,14 +20,19 @@ from nxops.xmap._resources import loops_in_scope
 from nxops.xmap._specs import (AxisSpec, broadcast_specs, infer_axis_sizes, parse_spec_tree,
                                spec_names)
 
-# The mesh in scope when the enclosing xmap was called (None: no enclosing xmap).
-_ENCLOSING_MESH: contextvars.ContextVar[tuple[Mesh | None] | None] = contextvars.ContextVar(
+# The meshes in scope when the enclosing xmap was called (None: no enclosing xmap).
+_ENCLOSING_MESH: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
     "nxops_enclosing_xmap_mesh", default=None)
 
 
+def _meshes_in_scope() -> tuple:
+    """The mesh xmap uses, and the legacy ``with mesh:`` one (to see any change)."""
+    return (mesh_in_scope(), _mesh_lib.thread_resources.env.physical_mesh)
+
+
 @contextlib.contextmanager
-def _enclosing_mesh(mesh: Mesh | None):
-    token = _ENCLOSING_MESH.set((mesh,))
+def _enclosing_mesh():
+    token = _ENCLOSING_MESH.set(_meshes_in_scope())
     try:
         yield
     finally:
@@ -111,7 +116,7 @@ class XmapFunction:
             plan, flat_specs = self._plan(args, mesh)
             program, outputs = build_program(self._fun, plan, jax.tree.structure(args),
                                              flat_specs, self._out_axes, self._user_out_axes)
-            with logical_axes(plan.logical_axes()), _enclosing_mesh(mesh):
+            with logical_axes(plan.logical_axes()), _enclosing_mesh():
                 results = program(*jax.tree.leaves(args))
             return jax.tree.unflatten(outputs.tree, results)
 
@@ -125,11 +130,11 @@ class XmapFunction:
     def _plan(self, args: tuple, mesh: Mesh | None) -> tuple[Plan, list[AxisSpec]]:
         """Checks the arguments against the specs and plans every named axis."""
         enclosing = _ENCLOSING_MESH.get()
-        if enclosing is not None and enclosing[0] != mesh:
+        if enclosing is not None and enclosing != _meshes_in_scope():
             raise NxopsError(
                 f"Changing the physical mesh is not allowed inside xmap: the enclosing "
                 f"xmap was called with mesh {enclosing[0]} in scope, but this call sees "
-                f"{mesh}. Set the mesh once, around the outermost xmap.")
+                f"{_meshes_in_scope()[0]}. Set the mesh once, around the outermost xmap.")
         shadowed = [n for n in self._names if n in current_logical_axes()]
         if shadowed:
             raise NxopsError(

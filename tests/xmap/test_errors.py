@@ -1,0 +1,224 @@
+"""Every user error of nx.xmap: one NxopsError (a ValueError) that quotes the spec."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nxops as nx
+from nxops import NxopsError
+from nxops.xmap import SerialLoop, serial_loop, xmap
+
+
+def _raises(match):
+    return pytest.raises(NxopsError, match=match)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax.make_mesh((4, 2), ("x", "y"))
+
+
+X = np.ones((4, 6), np.float32)
+
+
+def test_errors_are_value_errors():
+    assert issubclass(NxopsError, ValueError)
+
+
+# -- specs, at xmap time ----------------------------------------------------
+
+def test_duplicate_name_in_spec():
+    with _raises(re.escape("['a', 'a']")):
+        xmap(lambda x: x, [["a", "a"]], [...])
+
+
+def test_negative_axis_in_dict_spec():
+    with _raises(r"negative axes in in_axes.*\{-1: 'a'\}"):
+        xmap(lambda x: x, [{-1: "a"}], [...])
+
+
+@pytest.mark.parametrize("spec", ["a", 3, [["a", 1]], [{"a": 0}], [["a", ..., "b"]]])
+def test_malformed_spec(spec):
+    with _raises("Invalid xmap in_axes"):
+        xmap(lambda x: x, spec, [...])
+
+
+def test_out_axes_names_not_defined():
+    with _raises(r"out_axes must also appear in in_axes or axis_sizes.*'b'"):
+        xmap(lambda x: x, ["a", ...], ["a", "b", ...])
+
+
+def test_resources_for_undefined_name():
+    with _raises(r"assigned resources have to appear.*'c'"):
+        xmap(lambda x: x, ["a", ...], ["a", ...], axis_resources={"c": "x"})
+
+
+def test_resource_repeated_for_one_name():
+    with _raises(r"distinct resources.*\('x', 'x'\).*'a'"):
+        xmap(lambda x: x, ["a", ...], ["a", ...], axis_resources={"a": ("x", "x")})
+
+
+def test_bad_resource_type():
+    with _raises("a resource is a mesh axis name"):
+        xmap(lambda x: x, ["a", ...], ["a", ...], axis_resources={"a": 3})
+
+
+def test_not_callable():
+    with _raises("callable"):
+        xmap(3, ["a", ...], ["a", ...])
+
+
+def test_bad_axis_size():
+    with _raises("positive ints"):
+        xmap(lambda x: x, [...], ["b", ...], axis_sizes={"b": 0})
+
+
+def test_bad_loops():
+    with _raises("positive int"):
+        SerialLoop(0)
+    with _raises("positive int"):
+        with serial_loop("l", -1):
+            pass
+    with _raises("already in scope"):
+        with serial_loop("l", 2), serial_loop("l", 2):
+            pass
+
+
+# -- arguments, at call time --------------------------------------------------
+
+def test_rank_assertion_of_an_input():
+    f = xmap(lambda x: x, [["a", None]], [...])
+    with _raises(r"\['a', None\].*rank 2.*rank 3 \(and shape \(4, 6, 1\)\)"):
+        f(np.ones((4, 6, 1)))
+
+
+def test_rank_too_small_for_spec():
+    f = xmap(lambda x: x, [{3: "a"}], [...])
+    with _raises(r"\{3: 'a'\}.*at least 4 dimensions.*rank 2"):
+        f(X)
+
+
+def test_inconsistent_sizes():
+    f = xmap(lambda x, y: x, (["a", ...], ["a", ...]), [...])
+    with _raises(r"'a' was previously inferred to be 4.*shape \(5, 6\).*4 != 5|5 != 4"):
+        f(X, np.ones((5, 6)))
+
+
+def test_size_conflicts_with_axis_sizes():
+    f = xmap(lambda x: x, ["a", ...], ["a", ...], axis_sizes={"a": 3})
+    with _raises("previously inferred to be 3 \\(from axis_sizes\\)"):
+        f(X)
+
+
+def test_size_not_inferable():
+    f = xmap(lambda x, y: x, (["i", ...], ["a", ...]), ["a", ...])
+    with _raises(r"Failed to infer size of axes: 'a'.*axis_sizes"):
+        f(X, [])
+
+
+def test_spec_tree_not_a_prefix():
+    f = xmap(lambda x, y: x, (["a", ...], ["a", ...], ["a", ...]), [...])
+    with _raises("tree prefix"):
+        f(X, X)
+
+
+def test_keyword_arguments():
+    f = xmap(lambda x: x, ["a", ...], ["a", ...])
+    with _raises("positional arguments only"):
+        f(x=X)
+
+
+def test_resources_missing_from_scope(mesh):
+    f = xmap(lambda x: x, ["a", ...], ["a", ...], axis_resources={"a": "z"})
+    with _raises(r"insufficient.*'z'.*\['x', 'y'\]"):
+        with jax.set_mesh(mesh):
+            f(X)
+    with _raises(r"insufficient.*'z'.*Mesh axes in scope: none"):
+        f(X)
+    g = xmap(lambda x: x, ["a", ...], ["a", ...], axis_resources={"a": "loop"})
+    with _raises(r"insufficient.*'loop'"):
+        g(X)
+
+
+def test_size_not_divisible(mesh):
+    f = xmap(lambda x: x, [None, "b"], [None, "b"], axis_resources={"b": "x"})
+    with _raises(r"'b' \(6\) is not divisible.*\('x'\) of total size 4.*x=4"):
+        with jax.set_mesh(mesh):
+            f(X)
+    g = xmap(lambda x: x, [None, "b"], [None, "b"], axis_resources={"b": SerialLoop(4)})
+    with _raises(r"'b' \(6\) is not divisible"):
+        g(X)
+
+
+def test_output_varies_along_omitted_name():
+    f = xmap(lambda x: x * 2, ["a", ...], [...])
+    with _raises(r"out_axes specification of \[\.\.\.\].*varies along the named axis 'a'"):
+        f(X)
+
+
+def test_output_rank_assertion():
+    f = xmap(lambda x: x, ["a", ...], ["a", None, None])
+    with _raises(r"\['a', None, None\].*rank 3.*shape \(6,\)"):
+        f(X)
+    g = xmap(lambda x: x, ["a", ...], {3: "a"})
+    with _raises(r"\{3: 'a'\}.*at least 3 positional dimensions.*only has 1"):
+        g(X)
+
+
+def test_collective_over_a_looped_name():
+    f = xmap(lambda x: nx.sum(x, "a"), ["a", ...], [...], axis_resources={"a": SerialLoop(2)})
+    with _raises("serial loop"):
+        f(X)
+
+
+def test_names_sharing_a_resource_in_one_value(mesh):
+    f = xmap(lambda x: x, ["a", "b"], ["a", "b"], axis_resources={"a": "x", "b": "x"})
+    with _raises(r"'a' and 'b' are both mapped to the resource 'x'.*\['a', 'b'\]"):
+        with jax.set_mesh(mesh):
+            f(np.ones((4, 4)))
+    # ... also in a result (the inputs carry one name each).
+    g = xmap(lambda x, y: x * y, (["a", ...], ["b", ...]), ["a", "b", ...],
+             axis_resources={"a": "x", "b": "x"})
+    with _raises("both mapped to the resource 'x'.*result"):
+        with jax.set_mesh(mesh):
+            g(np.ones(4), np.ones(4))
+
+
+def test_shadowing_an_enclosing_name():
+    inner = xmap(lambda y: y, ["a", ...], ["a", ...])
+    outer = xmap(lambda x: inner(x), ["a", ...], ["a", ...])
+    with _raises("cannot shadow.*'a'"):
+        outer(np.ones((4, 3)))
+
+
+@pytest.mark.filterwarnings("ignore:.*context manager has been deprecated")
+def test_changing_the_mesh_inside_xmap(mesh):
+    other = jax.make_mesh((2, 4), ("x", "y"))
+
+    def body(x):
+        with other:   # (jax.set_mesh itself refuses to run inside jit)
+            return xmap(lambda y: y, ["b", ...], ["b", ...])(x)
+
+    f = xmap(body, ["a", ...], ["a", ...])
+    with jax.set_mesh(mesh):
+        with _raises("Changing the physical mesh is not allowed inside xmap"):
+            f(np.ones((4, 2)))
+
+
+def test_mesh_axis_already_used_by_enclosing_xmap(mesh):
+    inner = xmap(lambda y: y, ["b", ...], ["b", ...], axis_resources={"b": "x"})
+    outer = xmap(lambda x: inner(x), ["a", ...], ["a", ...], axis_resources={"a": "x"})
+    with jax.set_mesh(mesh):
+        with _raises("already maps over"):
+            outer(np.ones((4, 4)))
+
+
+def test_raw_psum_over_a_looped_name_is_unbound():
+    # A looped name's vmap tile is mangled, so raw lax.psum cannot silently
+    # reduce over one chunk only.
+    f = xmap(lambda x: jax.lax.psum(x, "a"), ["a", ...], [...],
+             axis_resources={"a": SerialLoop(2)})
+    with pytest.raises(NameError):
+        f(X)
