@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import math
 from typing import Iterator
 
 import jax.numpy as jnp
@@ -40,6 +41,16 @@ INTERPRET_STYLE = "mosaic"
 
 # Dtypes the kernels take (accumulation is in f32). f16 has no native TPU path.
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+# Kernels index elements with int32 (program ids, iotas, offsets).
+MAX_ELEMENTS = 2**31 - 1
+
+
+def too_large_reasons(*shapes) -> list[str]:
+    """A reason for each array too large for int32 element indices."""
+    return [f"shape {tuple(s)} has more than 2**31 - 1 elements (kernels index with int32)"
+            for s in shapes if math.prod(s) > MAX_ELEMENTS]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -297,7 +297,8 @@ def not_supported_reasons(a, b, *, platform: str, dimension_numbers, precision=N
     if math.prod(a.shape) == 0 or math.prod(b.shape) == 0:
         reasons.append(f"zero-size operand {tuple(a.shape)} x {tuple(b.shape)}")
     del dimension_numbers
-    return reasons + _precision_reasons(precision, platform)
+    return (reasons + _precision_reasons(precision, platform)
+            + _common.too_large_reasons(a.shape, b.shape))
 
 
 KERNEL = register(Kernel(

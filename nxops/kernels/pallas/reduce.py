@@ -419,7 +419,7 @@ def not_supported_reasons(x, *, platform: str, axes, op: str, **params) -> list[
     if op not in xla_reduce.REDUCE_OPS:
         reasons.append(f"unknown reduction {op!r}")
     del axes
-    return reasons
+    return reasons + _common.too_large_reasons(x.shape)
 
 
 KERNEL = register(Kernel(

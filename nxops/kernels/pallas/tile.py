@@ -155,7 +155,7 @@ def not_supported_reasons(x, index, *, platform: str, dim: int, count: int, **pa
         reasons.append(f"dtype {dtype}: the Pallas tile copies 16- and 32-bit elements")
     if platform == "tpu" and dtype == jnp.float16:
         reasons.append("float16 has no native TPU support")
-    return reasons
+    return reasons + _common.too_large_reasons(x.shape)
 
 
 KERNEL = register(Kernel(
