@@ -1,0 +1,65 @@
+"""The Pallas kernels behind the named ops: ``nx.sum`` / ``nx.einsum`` under
+``nx.kernels.use("pallas")`` on CPU (interpret mode) against the xla kernels,
+``nx.kernels.explain`` for cuda/tpu, and the kernel custom calls in programs
+lowered for cuda/tpu under both ``pallas`` and ``auto``."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nxops as nx
+from tests.kernels._lowered import CALL_TARGET, kernel_calls, lower_text
+from tests.kernels._tolerances import assert_close
+
+
+def data(*shapes, seed=0):
+    rng = np.random.default_rng(seed)
+    return [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in shapes]
+
+
+PROGRAMS = {
+    "sum": (lambda x: nx.sum(x, (0, 2)), [(6, 7, 5)]),
+    "logsumexp": (lambda x: nx.logsumexp(x, 1), [(9, 33)]),
+    "einsum": (lambda a, b: nx.einsum("bij,bjk->bik", a, b), [(2, 5, 7), (2, 7, 3)]),
+    "vmap_named_sum": (jax.vmap(lambda x: nx.sum(x, "i") * x, axis_name="i"), [(4, 6)]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_pallas_on_cpu_matches_xla(name):
+    fn, shapes = PROGRAMS[name]
+    args = data(*shapes)
+    with nx.kernels.use("xla"):
+        want = jax.jit(fn)(*args)
+    with nx.kernels.use("pallas"):
+        got = jax.jit(fn)(*args)
+        backends = nx.kernels.explain(fn, *args).backends()
+    assert backends and all(b == {"pallas"} for b in backends.values()), backends
+    assert_close(got, want, jnp.float32, scale=3.0)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_auto_picks_pallas_on_accelerators(platform, name):
+    fn, shapes = PROGRAMS[name]
+    args = data(*shapes)
+    for selection in ("auto", "pallas"):
+        with nx.kernels.use(selection):
+            explanation = nx.kernels.explain(fn, *args, platform=platform)
+            text = lower_text(fn, *args, platform=platform)
+        assert explanation.backends() and all(
+            b == {"pallas"} for b in explanation.backends().values()), str(explanation)
+        assert CALL_TARGET[platform] in text and kernel_calls(text, platform)
+        if platform == "cuda":
+            assert "mosaic_gpu" not in text
+
+
+def test_auto_keeps_xla_on_cpu_and_for_unsupported_cases():
+    x = jnp.arange(12, dtype=jnp.int32).reshape(3, 4)
+    fn = lambda x: nx.sum(x, 1)  # noqa: E731
+    assert nx.kernels.explain(fn, x.astype(jnp.float32), platform="cpu").backends() == {"reduce": {"xla"}}
+    explanation = nx.kernels.explain(fn, x, platform="cuda")
+    assert explanation.backends() == {"reduce": {"xla"}}
+    assert "int32" in str(explanation)
+    with nx.kernels.use("pallas"), pytest.raises(nx.NxopsError, match="int32"):
+        nx.kernels.explain(fn, x, platform="cuda")
