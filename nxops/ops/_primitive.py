@@ -17,7 +17,9 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Sequence
 
-from jax._src import api_util, dispatch
+import jax
+from jax._src import api_util, core, dispatch
+from jax._src import config as jax_config
 from jax._src.interpreters import partial_eval as pe
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
@@ -55,7 +57,19 @@ def _lower_with_kernel(ctx, *args, registry_op: str, platform: str, naming_param
     choice = _registry.choose(registry_op, platform, selection, ctx.avals_in, **params)
     _registry.report(registry_op, choice, ctx.avals_in, params)
     fn = functools.partial(choice.kernel.fn, platform=platform, **params)
-    return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
+    # Kernels are local computations: trace them on plain avals (no sharding,
+    # no shard_map varying-axes types) outside any mesh context.
+    local_ctx = ctx.replace(avals_in=[_local_aval(a) for a in ctx.avals_in],
+                            avals_out=[_local_aval(a) for a in ctx.avals_out])
+    with jax.sharding.use_abstract_mesh(_NO_MESH), jax_config._check_vma(False):
+        return mlir.lower_fun(fn, multiple_results=False)(local_ctx, *args)
+
+
+_NO_MESH = jax.sharding.AbstractMesh((), ())
+
+
+def _local_aval(aval):
+    return core.ShapedArray(aval.shape, aval.dtype, aval.weak_type)
 
 
 def kernel_primitive(name: str, op: str, reference: Callable[..., Any],

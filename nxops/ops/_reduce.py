@@ -10,6 +10,7 @@ then reduced by one XLA collective over all of them.
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import jax
@@ -20,6 +21,7 @@ from jax.interpreters import ad, batching
 from nxops._errors import NxopsError
 from nxops.kernels.xla import reduce as xla_reduce
 from nxops.ops import _axis_env
+from nxops.ops._collectives import axis_size
 from nxops.ops._primitive import kernel_primitive, selection_param
 
 reduce_p = kernel_primitive("nx_reduce", "reduce", xla_reduce.reduce,
@@ -104,7 +106,26 @@ ad.primitive_transposes[reduce_p] = _sum_transpose
 
 # --- the public functions ---------------------------------------------------
 
-_MESH_REDUCERS = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _mesh_extremum(y, mesh_names, op):
+    """``lax.pmax``/``pmin`` with a derivative (JAX has none): ties share the
+    tangent equally, as ``jnp.max`` does."""
+    return (lax.pmax if op == "max" else lax.pmin)(y, mesh_names)
+
+
+@_mesh_extremum.defjvp
+def _mesh_extremum_jvp(mesh_names, op, primals, tangents):
+    (y,), (t,) = primals, tangents
+    out = _mesh_extremum(y, mesh_names, op)
+    mask = (y == out).astype(t.dtype)
+    return out, lax.psum(t * mask, mesh_names) / lax.psum(mask, mesh_names)
+
+
+_MESH_REDUCERS = {
+    "sum": lax.psum,
+    "max": functools.partial(_mesh_extremum, op="max"),
+    "min": functools.partial(_mesh_extremum, op="min"),
+}
 
 
 def _split_axis_argument(x, axis, *, op: str) -> tuple[tuple[int, ...], tuple]:
@@ -217,13 +238,25 @@ def _names_only(axis_name, op: str):
     return names
 
 
+def _is_static(leaf) -> bool:
+    """A Python or NumPy value: the same on every position along any name."""
+    return not isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
+
+
 def psum(x, axis_name):
     """Sum over named axes (``lax.psum``'s semantics, logical names allowed).
 
-    Works on pytrees, like ``lax.psum``.
+    Works on pytrees, like ``lax.psum``. A static value (Python/NumPy) is the
+    same everywhere, so its psum is static too: ``nx.psum(1, 'i')`` is the
+    size of ``'i'``, as in the old xmap tutorial.
     """
     names = _names_only(axis_name, "psum")
-    return jax.tree_util.tree_map(lambda v: reduce(v, names, "sum", public_name="psum"), x)
+
+    def one(v):
+        if _is_static(v):
+            return v * axis_size(names)
+        return reduce(v, names, "sum", public_name="psum")
+    return jax.tree_util.tree_map(one, x)
 
 
 def pmax(x, axis_name):

@@ -219,3 +219,13 @@ def test_bad_axis_types():
 
 def test_errors_are_value_errors():
     assert issubclass(nx.NxopsError, ValueError)
+
+
+def test_psum_of_a_static_value_is_static():
+    # The old xmap tutorial: `lax.psum(1, 'classes')` is the axis size, an int.
+    seen = []
+    jax.vmap(lambda _: seen.append(nx.psum(1, "c")) or 0, axis_name="c")(np.zeros(3))
+    assert seen == [3] and isinstance(seen[0], int)
+    hot = jax.vmap(lambda _: nx.one_hot(np.array([1, 0]), nx.psum(1, "c"), axis=0), axis_name="c",
+                   out_axes=None)(np.zeros(3))
+    np.testing.assert_array_equal(hot, np.eye(3)[:, [1, 0]])
