@@ -50,8 +50,7 @@ def main():
     images = jax.random.normal(k3, (128, 64))
     labels = jax.random.randint(k4, (128,), 0, 8)
     args = (w1, w2, images, labels)
-    # Auto axes: see the report on Pallas interpret mode under Explicit meshes.
-    mesh = jax.make_mesh((4, 2), ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    mesh = jax.make_mesh((4, 2), ("x", "y"))  # Explicit axes, JAX's default
     print(f"NXOPS_KERNELS={nx.kernels.current_selection()}, devices: {len(jax.devices())} x "
           f"{jax.devices()[0].platform}, mesh {dict(mesh.shape)}")
 
@@ -82,9 +81,15 @@ def main():
     for name, size in temps.items():
         print(f"    axis_resources={name:<28} {size:>9,d} bytes")
 
-    loss = xmap(named_loss, in_axes=IN_AXES, out_axes=[...], axis_resources={"batch": "x"})
+    loss = xmap(named_loss, in_axes=IN_AXES, out_axes=[...],
+                axis_resources={"batch": "x", "hidden": "y"})
     with jax.set_mesh(mesh):
         print(nx.kernels.explain(loss, *args))
+        # The same program lowered (not run) for GPU and TPU from this CPU:
+        for platform in ("cuda", "tpu"):
+            report = nx.kernels.explain(loss, *args, platform=platform)
+            kernels = sorted({r.choice.kernel.name for r in report.reports})
+            print(f"  lowered for {platform}: {', '.join(kernels)}")
 
 
 if __name__ == "__main__":

@@ -136,3 +136,20 @@ def test_lowering_reports_unbound_names():
     with pytest.raises(nx.NxopsError, match="unbound names"):
         jax.jit(lambda x: reduce_p.bind(x, axes=(), op="sum", axis_names=("q",),
                                         kernels="auto")).lower(np.ones(2, np.float32))
+
+
+def test_mosaic_kernels_need_every_mesh_axis_manual_on_tpu():
+    # Mosaic custom calls cannot be split by XLA's partitioner: under auto-
+    # partitioned mesh axes `auto` falls back to xla and says why; an explicit
+    # `pallas` raises. With every axis manual, the Pallas kernel is used.
+    mesh = jax.make_mesh((4, 2), ("x", "y"))
+    x = np.ones((8, 4), np.float32)
+    partial_mesh = nx.xmap(lambda v: nx.sum(v, ("b", 0)), [["b", ...]], [...], axis_resources={"b": "x"})
+    full_mesh = nx.xmap(lambda v: nx.sum(v, ("b", 0)), [["b", ...]], [...], axis_resources={"b": ("x", "y")})
+    with jax.set_mesh(mesh):
+        report = nx.kernels.explain(partial_mesh, x, platform="tpu")
+        assert report.backends() == {"reduce": {"xla"}}
+        assert "cannot be partitioned automatically" in str(report)
+        assert nx.kernels.explain(full_mesh, x, platform="tpu").backends() == {"reduce": {"pallas"}}
+        with nx.kernels.use("pallas"), pytest.raises(nx.NxopsError, match="every mesh axis is manual"):
+            nx.kernels.explain(partial_mesh, x, platform="tpu")

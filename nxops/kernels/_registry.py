@@ -69,6 +69,9 @@ class Kernel:
     fn: Callable[..., Any]
     not_supported_reasons: NotSupportedReasons = _always_supported
     description: str = ""
+    # Platforms where XLA's SPMD partitioner cannot split this kernel (Mosaic
+    # custom calls): there it runs only where every mesh axis is manual.
+    manual_only_platforms: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.op not in OP_FAMILY:
@@ -206,19 +209,24 @@ class Choice:
         return text
 
 
-def _reasons(kernel: Kernel, platform: str, avals: Sequence[Any], params: dict, /) -> tuple[str, ...]:
+def _reasons(kernel: Kernel, platform: str, avals: Sequence[Any], params: dict,
+             auto_partitioned: bool, /) -> tuple[str, ...]:
     if platform not in kernel.platforms:
         return (f"it runs on {', '.join(kernel.platforms)}, not {platform}",)
+    if auto_partitioned and platform in kernel.manual_only_platforms:
+        return (f"on {platform} it cannot be partitioned automatically; run it where every "
+                f"mesh axis is manual (map all mesh axes in axis_resources, or use shard_map)",)
     return tuple(kernel.not_supported_reasons(*avals, platform=platform, **params))
 
 
-def choose(op: str, platform: str, selection: Selection, avals: Sequence[Any], /,
-           **params: Any) -> Choice:
+def choose(op: str, platform: str, selection: Selection, avals: Sequence[Any],
+           auto_partitioned: bool = False, /, **params: Any) -> Choice:
     """The kernel that runs ``op`` for this case on ``platform``.
 
     ``auto`` takes the first backend of ``AUTO_PREFERENCE[platform]`` that is
     registered and supports the case; an explicitly requested backend that
-    cannot take the case raises NxopsError with its reasons.
+    cannot take the case raises NxopsError with its reasons. ``auto_partitioned``
+    says the op is lowered where XLA partitions some mesh axes automatically.
     """
     requested = selection.backend_for(op)
     if requested == "auto":
@@ -227,7 +235,7 @@ def choose(op: str, platform: str, selection: Selection, avals: Sequence[Any], /
             kernel = _KERNELS.get((op, backend))
             if kernel is None:
                 continue
-            reasons = _reasons(kernel, platform, avals, params)
+            reasons = _reasons(kernel, platform, avals, params, auto_partitioned)
             if not reasons:
                 return Choice(kernel, requested, tuple(passed_over))
             passed_over.append((backend, reasons))
@@ -242,7 +250,7 @@ def choose(op: str, platform: str, selection: Selection, avals: Sequence[Any], /
             f"(op {op!r}), but none is registered (registered: {', '.join(have)}). "
             f"Use {family}=auto or {family}=xla, or install what {requested!r} needs."
         )
-    reasons = _reasons(kernel, platform, avals, params)
+    reasons = _reasons(kernel, platform, avals, params, auto_partitioned)
     if reasons:
         shapes = ", ".join(f"{getattr(a, 'dtype', '?')}{list(getattr(a, 'shape', ()))}" for a in avals)
         raise NxopsError(

@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 import jax
 from jax._src import api_util, core, dispatch
 from jax._src import config as jax_config
+from jax._src import sharding_impls
 from jax._src.interpreters import partial_eval as pe
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
@@ -54,7 +55,8 @@ def _lower_with_kernel(ctx, *args, registry_op: str, platform: str, naming_param
                          f"a named axis must be bound by an enclosing vmap, shard_map or xmap.")
     params = _kernel_params(params, naming_params)
     selection = _registry.parse_selection(kernels)
-    choice = _registry.choose(registry_op, platform, selection, ctx.avals_in, **params)
+    choice = _registry.choose(registry_op, platform, selection, ctx.avals_in,
+                              _is_auto_partitioned(ctx), **params)
     _registry.report(registry_op, choice, ctx.avals_in, params)
     fn = functools.partial(choice.kernel.fn, platform=platform, **params)
     # Kernels are local computations: trace them on plain avals (no sharding,
@@ -66,6 +68,17 @@ def _lower_with_kernel(ctx, *args, registry_op: str, platform: str, naming_param
 
 
 _NO_MESH = jax.sharding.AbstractMesh((), ())
+
+
+def _is_auto_partitioned(ctx) -> bool:
+    """Whether XLA's SPMD partitioner splits this op over some mesh axes."""
+    axis_context = ctx.module_context.axis_context
+    if isinstance(axis_context, sharding_impls.ShardingContext):
+        return axis_context.num_devices > 1
+    if isinstance(axis_context, sharding_impls.SPMDAxisContext):
+        return any(size > 1 for name, size in axis_context.mesh.shape.items()
+                   if name not in axis_context.manual_axes)
+    return False
 
 
 def _local_aval(aval):

@@ -303,6 +303,6 @@ def not_supported_reasons(a, b, *, platform: str, dimension_numbers, precision=N
 
 KERNEL = register(Kernel(
     op="dot_general", backend="pallas", platforms=_common.PLATFORMS, fn=dot_general,
-    not_supported_reasons=not_supported_reasons,
+    not_supported_reasons=not_supported_reasons, manual_only_platforms=("tpu",),
     description="Pallas blocked batched matmul, f32 accumulator (Triton on GPU, Mosaic on TPU)",
 ))

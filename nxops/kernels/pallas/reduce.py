@@ -424,6 +424,6 @@ def not_supported_reasons(x, *, platform: str, axes, op: str, **params) -> list[
 
 KERNEL = register(Kernel(
     op="reduce", backend="pallas", platforms=_common.PLATFORMS, fn=reduce,
-    not_supported_reasons=not_supported_reasons,
+    not_supported_reasons=not_supported_reasons, manual_only_platforms=("tpu",),
     description="Pallas row/column reduction (Triton on GPU, Mosaic on TPU, interpret on CPU)",
 ))

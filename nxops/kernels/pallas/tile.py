@@ -160,6 +160,6 @@ def not_supported_reasons(x, index, *, platform: str, dim: int, count: int, **pa
 
 KERNEL = register(Kernel(
     op="tile", backend="pallas", platforms=_common.PLATFORMS, fn=tile,
-    not_supported_reasons=not_supported_reasons,
+    not_supported_reasons=not_supported_reasons, manual_only_platforms=("tpu",),
     description="Pallas strided copy of one tile (scalar-prefetched index on TPU)",
 ))
