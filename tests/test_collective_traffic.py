@@ -142,9 +142,6 @@ def test_pallas_selection_over_two_mesh_axes_says_why_not():
                 data((128, 4), m, spec))
 
 
-@pytest.mark.xfail(strict=True, reason="nxops/ops/_collectives.py::_mesh_platform reads "
-                   "get_concrete_mesh().devices.flat[0] (None in a shard_map body without "
-                   "jax.set_mesh): AttributeError. Remove this mark once it is fixed.")
 def test_collectives_in_a_shard_map_body_without_set_mesh():
     m = make_mesh((8,), ("x",))
     fn = shard_mapped(lambda s: nx.untile(s, {"x": 0}), m, P("x"), P())

@@ -39,12 +39,15 @@ def _physical(axis_name, op: str, *, allow_loop=False):
 
 
 def _mesh_platform() -> str:
-    """Platform of the devices the collective runs on."""
+    """Lowering platform (cpu, cuda, rocm, tpu) of the devices the collective
+    runs on: the concrete mesh's where one is set, else the default devices'."""
     from jax._src import mesh as _mesh
-    concrete = _mesh.get_concrete_mesh()
-    if concrete is not None and getattr(concrete, "devices", None) is not None and concrete.devices.size:
-        return concrete.devices.flat[0].platform
-    return jax.devices()[0].platform
+    devices = getattr(_mesh.get_concrete_mesh(), "devices", None)
+    first = devices.flat[0] if devices is not None and devices.size else None
+    device = first if isinstance(first, jax.Device) else jax.devices()[0]
+    if device.platform == "gpu":  # JAX names CUDA and ROCm devices "gpu"
+        return "rocm" if "rocm" in device.client.platform_version.lower() else "cuda"
+    return device.platform
 
 
 def _mesh_kernel(op: str, x, **params):
