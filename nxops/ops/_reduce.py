@@ -43,9 +43,9 @@ def _reduce_batcher(axis_data, vals_in, dims_in, *, axes, op, axis_names, kernel
     if axis_data.name in axis_names:
         rest = tuple(n for n in axis_names if n != axis_data.name)
         if d is None:
-            # Replicated along the name: reduce the copies.
-            x = jnp.broadcast_to(x, (axis_data.size, *x.shape))
-            d = 0
+            # Replicated along the name: `size` equal copies, in closed form.
+            y = bind_reduce(x, axes=axes, op=op, axis_names=rest, kernels=kernels)
+            return _reduce_equal_copies(y, op, axis_data.size), None
         x = jnp.moveaxis(x, d, 0)
         new_axes = (0,) + tuple(a + 1 for a in axes)
         return bind_reduce(x, axes=new_axes, op=op, axis_names=rest, kernels=kernels), None
@@ -54,6 +54,17 @@ def _reduce_batcher(axis_data, vals_in, dims_in, *, axes, op, axis_names, kernel
     x = jnp.moveaxis(x, d, 0)
     new_axes = tuple(a + 1 for a in axes)
     return bind_reduce(x, axes=new_axes, op=op, axis_names=axis_names, kernels=kernels), 0
+
+
+def _reduce_equal_copies(y, op: str, size: int):
+    """``op`` over ``size`` copies of the already reduced ``y``."""
+    if op == "sum":
+        return y * jnp.asarray(size, y.dtype)
+    if op == "prod":
+        return y ** size
+    if op == "logsumexp":
+        return y + jnp.log(jnp.asarray(size, y.dtype))
+    return y  # max, min
 
 
 batching.fancy_primitive_batchers[reduce_p] = _reduce_batcher

@@ -66,6 +66,10 @@ def test_value_replicated_along_the_name():
     assert_close(f(np.zeros(4), x), 4 * x)
     g = jax.vmap(lambda _, v: nx.max(v, ("i", 0)), in_axes=(0, None), axis_name="i", out_axes=None)
     assert_close(g(np.zeros(4), x), x.max())
+    for op in ("prod", "logsumexp", "mean"):
+        h = jax.vmap(lambda _, v: getattr(nx, op)(v, ("i", 0)), in_axes=(0, None), axis_name="i",
+                     out_axes=None)
+        assert_close(h(np.zeros(4), x), np_reduce(op, np.tile(x, 4), (0,)), scale=10)
 
 
 @pytest.mark.parametrize("op", OPS)
