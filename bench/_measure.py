@@ -61,13 +61,13 @@ def roofline(work: Work, seconds: float, peak: Peak, dtype) -> dict[str, Any]:
     return info
 
 
-def measure(benchmark, fn: Callable, *args, work: Work, peak: Peak, dtype,
+def measure(benchmark, fn: Callable, *args, work: Work | None, peak: Peak, dtype,
             group: str, info: dict[str, Any], rounds: int | None = None) -> Any:
     """Benchmarks ``fn(*args)`` excluding compilation; returns its result.
 
     ``info`` (op, backend, size, ...) goes into ``benchmark.extra_info`` with
     the work, the device and, after a timed run, the roofline numbers from the
-    fastest round. ``rounds`` fixes the number of rounds (for slow calls);
+    fastest round (none when ``work`` is None: overheads, compile times). ``rounds`` fixes the number of rounds (for slow calls);
     otherwise pytest-benchmark calibrates.
     """
     result = jax.block_until_ready(fn(*args))  # compile and warm up, untimed
@@ -77,13 +77,14 @@ def measure(benchmark, fn: Callable, *args, work: Work, peak: Peak, dtype,
 
     benchmark.group = group
     benchmark.extra_info.update(info)
-    benchmark.extra_info.update(dtype=jnp.dtype(dtype).name, bytes=work.bytes_moved,
-                                flops=work.flops, device=peak.device,
+    benchmark.extra_info.update(dtype=jnp.dtype(dtype).name, device=peak.device,
                                 peak_source=peak.source)
+    if work is not None:
+        benchmark.extra_info.update(bytes=work.bytes_moved, flops=work.flops)
     if rounds is None:
         benchmark(call)
     else:
         benchmark.pedantic(call, rounds=rounds, iterations=1)
-    if benchmark.stats is not None:  # None under --benchmark-disable
+    if work is not None and benchmark.stats is not None:  # None under --benchmark-disable
         benchmark.extra_info.update(roofline(work, benchmark.stats.stats.min, peak, dtype))
     return result

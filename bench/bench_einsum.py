@@ -18,7 +18,6 @@ from bench._backends import BASELINE, IMPLEMENTATIONS, compile_for, skip_reason
 from bench._measure import Work, assert_close, measure, nbytes
 
 DTYPES = (jnp.float32, jnp.bfloat16)
-HAVE_OPS = hasattr(nx, "einsum")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +27,6 @@ class Case:
     spec: str                   # jnp.einsum spec of the positional computation
     dimension_numbers: tuple    # the dot_general it reduces to
     shapes: dict                # size -> (batch, m, k, n)
-    named: bool = False         # contract k as a vmapped name
 
 
 MATMUL_SHAPES = {"small": (1, 256, 256, 256), "medium": (1, 1024, 1024, 1024),
@@ -38,8 +36,8 @@ CASES = {
     "batched": Case("bmk,bkn->bmn", (((2,), (1,)), ((0,), (0,))),
                     {"small": (8, 128, 128, 128), "medium": (16, 512, 512, 512),
                      "large": (64, 2048, 2048, 2048)}),
-    "einsum-named": Case("mk,kn->mn", (((1,), (0,)), ((), ())), MATMUL_SHAPES, named=True),
-    "pdot-named": Case("mk,kn->mn", (((1,), (0,)), ((), ())), MATMUL_SHAPES, named=True),
+    "einsum-named": Case("mk,kn->mn", (((1,), (0,)), ((), ())), MATMUL_SHAPES),
+    "pdot-named": Case("mk,kn->mn", (((1,), (0,)), ((), ())), MATMUL_SHAPES),
 }
 
 
@@ -51,23 +49,15 @@ def operands(case: Case, size: str, dtype):
             jax.random.uniform(kb, lead + (k, n), dtype))
 
 
-def nxops_contraction(name: str, case: Case, platform: str):
-    """The nxops function under test: the public op, or (until nxops exports
-    it) the registered dot_general kernel called directly."""
+def nxops_contraction(name: str, case: Case):
+    """The nxops function under test: ``nx.einsum`` or ``nx.pdot``."""
     if name == "einsum-named":
         return jax.vmap(lambda a, b: nx.einsum("m<k>,<k>n->mn", a, b), in_axes=(1, 0),
                         out_axes=None, axis_name="k")
     if name == "pdot-named":
         return jax.vmap(lambda a, b: nx.pdot(a, b, "k"), in_axes=(1, 0), out_axes=None,
                         axis_name="k")
-    if HAVE_OPS:
-        return lambda a, b: nx.einsum(case.spec, a, b)
-
-    def kernel_dot(a, b):
-        kernel = nx.kernels.choose("dot_general", platform, nx.kernels.current_selection(),
-                                   (a, b), dimension_numbers=case.dimension_numbers).kernel
-        return kernel.fn(a, b, dimension_numbers=case.dimension_numbers, platform=platform)
-    return kernel_dot
+    return lambda a, b: nx.einsum(case.spec, a, b)
 
 
 def cases():
@@ -87,13 +77,11 @@ def test_einsum(benchmark, peak, platform, name, dtype, size, impl):
     a, b = operands(case, size, dtype)
     reason = skip_reason("dot_general", impl, size, platform, (a, b),
                          dict(dimension_numbers=case.dimension_numbers))
-    if reason is None and impl != BASELINE and case.named and not HAVE_OPS:
-        reason = "named contractions need nx.einsum / nx.pdot, which nxops does not export yet"
     if reason:
         pytest.skip(reason)
 
     baseline = lambda a, b: jnp.einsum(case.spec, a, b)  # noqa: E731
-    fn = baseline if impl == BASELINE else nxops_contraction(name, case, platform)
+    fn = baseline if impl == BASELINE else nxops_contraction(name, case)
     compiled = compile_for(impl, fn, a, b)
     expected = jnp.einsum(case.spec, a.astype(jnp.float32), b.astype(jnp.float32),
                           precision=lax.Precision.HIGHEST)

@@ -29,26 +29,13 @@ BASELINES = {
     "mean": functools.partial(jnp.mean, axis=1),
 }
 
-HAVE_OPS = hasattr(nx, "sum")
 
-
-def nxops_reduce(op: str, variant: str, platform: str):
-    """The nxops function under test: the public op, or (until nxops exports
-    the ops) the registered kernel called directly."""
-    if HAVE_OPS:
-        named_op = getattr(nx, op)
-        if variant == "positional":
-            return lambda x: named_op(x, 1)
-        return jax.vmap(lambda column: named_op(column, "j"), in_axes=1, out_axes=None,
-                        axis_name="j")
-
-    def kernel_reduce(x):
-        kernel = nx.kernels.choose("reduce", platform, nx.kernels.current_selection(), (x,),
-                                   axes=(1,), op=op).kernel
-        if op == "mean":
-            return kernel.fn(x, axes=(1,), op="sum", platform=platform) / x.shape[1]
-        return kernel.fn(x, axes=(1,), op=op, platform=platform)
-    return kernel_reduce
+def nxops_reduce(op: str, variant: str):
+    """The nxops function under test: ``nx.<op>`` over a position or a name."""
+    named_op = getattr(nx, op)
+    if variant == "positional":
+        return lambda x: named_op(x, 1)
+    return jax.vmap(lambda column: named_op(column, "j"), in_axes=1, out_axes=None, axis_name="j")
 
 
 def cases():
@@ -69,13 +56,11 @@ def test_reduce(benchmark, peak, platform, op, variant, dtype, size, impl):
     x_aval = jax.ShapeDtypeStruct(shape, dtype)
     kernel_op = "sum" if op == "mean" else op
     reason = skip_reason("reduce", impl, size, platform, (x_aval,), dict(axes=(1,), op=kernel_op))
-    if reason is None and impl != BASELINE and variant == "named" and not HAVE_OPS:
-        reason = "named reductions need nx.sum & co., which nxops does not export yet"
     if reason:
         pytest.skip(reason)
 
     x = jax.random.uniform(jax.random.key(0), shape, dtype)
-    fn = BASELINES[op] if impl == BASELINE else nxops_reduce(op, variant, platform)
+    fn = BASELINES[op] if impl == BASELINE else nxops_reduce(op, variant)
     compiled = compile_for(impl, fn, x)
     expected = jax.jit(BASELINES[op])(x.astype(jnp.float32))
     work = Work(bytes_moved=nbytes(x) + shape[0] * jnp.dtype(dtype).itemsize,
