@@ -268,3 +268,20 @@ def test_cuda_needs_opt_in_one_axis_meshes_and_128_element_pieces(monkeypatch):
     jax.make_jaxpr(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))(
         jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=jax.NamedSharding(mesh, P("x"))))
     assert any("every mesh axis" in r for r in found), found
+
+
+@pytest.mark.parametrize("n,rows,refused", [(8, 8, False), (8, 32, True), (2, 32, False)])
+def test_interpret_mode_refuses_buffers_that_deadlock(n, rows, refused):
+    """8 devices deadlock the interpret mode with 16 KiB shards (128 KiB gathered)."""
+    mesh = make_mesh((n,), ("x",))
+    found = []
+
+    def body(s):
+        found.append(pallas_collectives.all_gather_not_supported_reasons(
+            jax.typeof(s), "x", platform="cpu", axis=0, tiled=True))
+        return s
+
+    x = jax.ShapeDtypeStruct((n * rows, 128), jnp.float32, sharding=jax.NamedSharding(mesh, P("x")))
+    jax.make_jaxpr(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))(x)
+    (reasons,) = found
+    assert bool(reasons) == refused, reasons

@@ -52,9 +52,13 @@ _REDUCE_SCATTER_COLLECTIVE_ID = 1
 # for 3+ devices, see DESIGN.md) and the race detector on.
 INTERPRET_PARAMS = pltpu.InterpretParams(dma_execution_mode="eager", detect_races=True)
 
-# Interpret mode simulates every device on the host; on a 2-core machine runs
-# hang once a shard reaches about 512 KiB (DESIGN.md): refuse large operands.
-MAX_INTERPRET_BYTES = 256 * 1024
+# Interpret mode simulates every device on the host, and deadlocks (0% CPU)
+# once buffers grow: measured on a 2-core machine, JAX's own example
+# all-gather too, 8 devices hang with 16 KiB shards (a 128 KiB gathered
+# buffer), 2 and 4 devices ran 256 KiB ones. Limit the full buffer N (the
+# gathered result, the reduce-scatter input) per device count.
+MAX_INTERPRET_BUFFER_BYTES = {2: 256 * 1024, 4: 256 * 1024}
+MAX_INTERPRET_BUFFER_BYTES_DEFAULT = 64 * 1024  # other device counts, 8 included
 # The reduce-scatter keeps its input, a receive buffer (as large) and its
 # output in VMEM; stay well inside the default scoped VMEM limit.
 MAX_TPU_REDUCE_SCATTER_VMEM_BYTES = 12 * 1024 * 1024
@@ -371,17 +375,28 @@ def _normalize_axis(axis: int, rank: int) -> int:
     return axis % rank
 
 
-def _reasons(x, axis_name, platform, dtypes) -> list[str]:
+def _axis_size_or_device_count(axis_name) -> int:
+    """The axis size inside the shard_map body; outside, the device count (an upper bound)."""
+    try:
+        return lax.axis_size(_one_axis(axis_name))
+    except (NameError, ValueError, TypeError):
+        return jax.device_count()
+
+
+def _reasons(x, axis_name, platform, dtypes, *, gathers: bool) -> list[str]:
     reasons = []
     if isinstance(axis_name, (tuple, list)) and len(axis_name) != 1:
         reasons.append(f"it runs over one mesh axis, not {len(axis_name)} ({tuple(axis_name)})")
     dtype = np.dtype(x.dtype)
     if dtype not in dtypes:
         reasons.append(f"dtype {dtype} is not one of {', '.join(sorted(map(str, dtypes)))}")
-    nbytes = math.prod(x.shape) * dtype.itemsize
-    if platform == "cpu" and nbytes > MAX_INTERPRET_BYTES:
-        reasons.append(f"a {nbytes}-byte operand is too large for the TPU interpret mode on "
-                       f"CPU (at most {MAX_INTERPRET_BYTES} bytes)")
+    if platform == "cpu" and not reasons:
+        n = _axis_size_or_device_count(axis_name)
+        buffer = math.prod(x.shape) * dtype.itemsize * (n if gathers else 1)
+        limit = MAX_INTERPRET_BUFFER_BYTES.get(n, MAX_INTERPRET_BUFFER_BYTES_DEFAULT)
+        if buffer > limit:
+            reasons.append(f"a {buffer}-byte buffer over {n} devices is too large for the TPU "
+                           f"interpret mode on CPU (at most {limit} bytes; larger ones deadlock)")
     return reasons
 
 
@@ -389,14 +404,14 @@ def all_gather_not_supported_reasons(x, axis_name=None, *, platform, **params) -
     """Why the Pallas all-gather cannot take this case (empty when it can)."""
     if platform == "cuda":
         return _collectives_mgpu.not_supported_reasons(x, axis_name, op="all_gather", **params)
-    return _reasons(x, axis_name, platform, ALL_GATHER_DTYPES)
+    return _reasons(x, axis_name, platform, ALL_GATHER_DTYPES, gathers=True)
 
 
 def reduce_scatter_not_supported_reasons(x, axis_name=None, *, platform, **params) -> list[str]:
     """Why the Pallas reduce-scatter cannot take this case (empty when it can)."""
     if platform == "cuda":
         return _collectives_mgpu.not_supported_reasons(x, axis_name, op="reduce_scatter", **params)
-    reasons = _reasons(x, axis_name, platform, REDUCE_SCATTER_DTYPES)
+    reasons = _reasons(x, axis_name, platform, REDUCE_SCATTER_DTYPES, gathers=False)
     nbytes = math.prod(x.shape) * np.dtype(x.dtype).itemsize
     if platform == "tpu" and 2.5 * nbytes > MAX_TPU_REDUCE_SCATTER_VMEM_BYTES:
         reasons.append(f"a {nbytes}-byte operand does not fit the kernel's VMEM budget "
