@@ -57,14 +57,15 @@ def nxops_collective(collective: str):
 
 def traffic_info(compiled, ring_bound: int) -> dict:
     """Per-device bytes the compiled program's XLA collectives move (read by
-    ``nxops.hlo``), and their ratio to the ring bound. Kernels that move data
+    ``nxops.hlo``), and their ratio to the ring bound of the operand's dtype
+    (XLA:CPU moves bf16 collectives as f32: ratio 2). Kernels that move data
     themselves (Pallas remote DMAs) have no XLA collective to read."""
     found = hlo.collectives(compiled)
     if not found:
         return {"note": "no XLA collective in the HLO: the kernel moves the data itself"}
     total = sum(c.bytes_per_device for c in found)
     return {"bytes_per_device": total, "bytes_ratio_to_ring": total / ring_bound,
-            "hlo_collectives": ", ".join(c.kind for c in found)}
+            "hlo_collectives": ", ".join(f"{c.kind} {c.dtype}" for c in found)}
 
 
 def cases():

@@ -6,6 +6,9 @@
 - compile: trace + lower + compile of a fresh function, xmap vs ``jax.jit``;
 - serial loop: ``axis_resources={'batch': SerialLoop(k)}`` vs no resources,
   timed, with the compiled programs' temporary memory (``memory_analysis``).
+
+The xmap programs use the kernels ``NXOPS_KERNELS`` selects (``auto`` by
+default); ``extra_info["kernels"]`` records the selection.
 """
 from __future__ import annotations
 
@@ -40,6 +43,10 @@ def xmapped_predict(**kwargs):
                    out_axes=["batch", "classes", ...], **kwargs)
 
 
+def info(**fields):
+    return dict(fields, kernels=str(nx.kernels.current_selection()))
+
+
 def predict_operands():
     k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
     return (jax.random.normal(k1, (INPUTS, HIDDEN), F32) / INPUTS**0.5,
@@ -58,7 +65,7 @@ def test_runtime(benchmark, peak, impl):
     fn = jax.jit(positional_predict) if impl == "baseline" else xmapped_predict()
     result = measure(benchmark, fn, *operands, work=predict_work(operands), peak=peak, dtype=F32,
                      group="frontend-runtime",
-                     info=dict(op="xmap named_predict", backend=impl,
+                     info=info(op="xmap named_predict", backend=impl,
                                size=f"batch {BATCH}, {INPUTS}-{HIDDEN}-{CLASSES}",
                                baseline=impl == "baseline"))
     assert_close(result, jax.jit(positional_predict)(*operands), F32)
@@ -70,7 +77,7 @@ def test_dispatch(benchmark, peak, impl):
     double = lambda v: v * 2  # noqa: E731
     fn = jax.jit(double) if impl == "baseline" else nx.xmap(double, ["i", ...], ["i", ...])
     result = measure(benchmark, fn, x, work=None, peak=peak, dtype=F32, group="frontend-dispatch",
-                     info=dict(op="per-call overhead (x * 2)", backend=impl, size="8 floats",
+                     info=info(op="per-call overhead (x * 2)", backend=impl, size="8 floats",
                                baseline=impl == "baseline"))
     np.testing.assert_array_equal(result, np.arange(8) * 2)
 
@@ -91,7 +98,7 @@ def test_compile(benchmark, peak, impl):
 
     compiled = measure(benchmark, trace_and_compile, work=None, peak=peak, dtype=F32,
                        group="frontend-compile", rounds=5,
-                       info=dict(op="trace + compile named_predict", backend=impl,
+                       info=info(op="trace + compile named_predict", backend=impl,
                                  size=f"batch {BATCH}", baseline=impl == "baseline"))
     assert_close(compiled(*operands), jax.jit(positional_predict)(*operands), F32)
 
@@ -118,7 +125,7 @@ def test_serial_loop_memory(benchmark, peak, loop):
     backend = "baseline" if loop == 1 else f"SerialLoop({loop})"
     result = measure(benchmark, fn, x, m, work=Work(nbytes(x, m) * 2, 4 * LOOP_BATCH * 128 * LOOP_HIDDEN),
                      peak=peak, dtype=F32, group="frontend-serial-loop",
-                     info=dict(op="xmap tanh(x@m)@m.T, temp memory", backend=backend,
+                     info=info(op="xmap tanh(x@m)@m.T, temp memory", backend=backend,
                                size=f"batch {LOOP_BATCH}, hidden {LOOP_HIDDEN}",
                                baseline=loop == 1, temp_bytes=temp,
                                temp_ratio_to_unlooped=temp / temp_unlooped))
