@@ -285,3 +285,41 @@ def test_interpret_mode_refuses_buffers_that_deadlock(n, rows, refused):
     jax.make_jaxpr(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))(x)
     (reasons,) = found
     assert bool(reasons) == refused, reasons
+
+
+# ---------------------------------------------------------------------------
+# Gradient (through the reference's transpose) and vmap (batch as a leading dim)
+
+
+def _loss_and_batched(impl, n, check_vma):
+    """A scalar loss using both collectives, and a vmapped batch of them."""
+    mesh = make_mesh((n,), ("x",))
+    kw = dict(platform="cpu") if impl is pallas_collectives else {}
+
+    def body(s):
+        gathered = impl.all_gather(s, "x", axis=1, tiled=True, **kw)
+        scattered = impl.reduce_scatter(s * s, "x", scatter_dimension=0, tiled=False, **kw)
+        return (gathered ** 2).sum() + jax.lax.psum((scattered ** 3).sum(), "x")
+
+    loss = jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P(), check_vma=check_vma)
+    batched = jax.shard_map(jax.vmap(lambda s: impl.all_gather(s, "x", axis=0, tiled=False, **kw)),
+                            mesh=mesh, in_specs=P(None, "x"), out_specs=P(None, "x"),
+                            check_vma=check_vma)
+    return mesh, loss, batched
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_gradient_and_vmap_match_xla(check_vma):
+    n = 4
+    x = small_ints((n * n, 3), jnp.float32, seed=5)
+    results = []
+    for impl in (pallas_collectives, xla_collectives):
+        mesh, loss, batched = _loss_and_batched(impl, n, check_vma)
+        xs = jax.device_put(x, jax.NamedSharding(mesh, P("x")))
+        grad = np.asarray(jax.jit(jax.grad(loss))(xs))
+        stacked = jax.device_put(jnp.stack([x, 2 * x]), jax.NamedSharding(mesh, P(None, "x")))
+        results.append((grad, np.asarray(jax.jit(batched)(stacked))))
+    (grad, vmapped), (want_grad, want_vmapped) = results
+    np.testing.assert_array_equal(grad, want_grad)
+    np.testing.assert_array_equal(vmapped, want_vmapped)
+    assert np.abs(want_grad).sum() > 0

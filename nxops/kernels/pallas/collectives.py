@@ -194,15 +194,19 @@ def all_gather(x: jax.Array, axis_name, *, axis: int, tiled: bool, platform: str
 
     ``axis_name`` is one manual mesh axis of the enclosing ``shard_map``. As
     the xla reference, the result is typed invariant over ``axis_name``.
+    Differentiable and batchable (see ``_collective``).
     """
     axis_name = _one_axis(axis_name)
-    n = lax.axis_size(axis_name)
     axis = _normalize_axis(axis, x.ndim if tiled else x.ndim + 1)
-    if n == 1:  # nothing to move
+    if lax.axis_size(axis_name) == 1:  # nothing to move
         return xla_collectives.all_gather(x, axis_name, axis=axis, tiled=tiled)
-    x = _varying(x, axis_name)
+    return _collective(_varying(x, axis_name), "all_gather", axis_name, axis, tiled, platform)
+
+
+def _all_gather_call(x, axis_name: str, axis: int, tiled: bool, platform: str):
     if platform == "cuda":
         return _collectives_mgpu.all_gather(x, axis_name, axis=axis, tiled=tiled)
+    n = lax.axis_size(axis_name)
     kernel = functools.partial(_all_gather_kernel, axis_name=axis_name,
                                halves=_split(x.shape, x.dtype.itemsize))
     stacked = _pallas_call(
@@ -279,10 +283,14 @@ def reduce_scatter(x: jax.Array, axis_name, *, scatter_dimension: int, tiled: bo
     if x.shape[d] % n or (not tiled and x.shape[d] != n):
         want = f"a multiple of {n}" if tiled else f"equal to {n}"
         raise ValueError(f"reduce_scatter: dimension {d} of {x.shape} must be {want}")
-    m = x.shape[d] // n
-    x = _varying(x, axis_name)
+    return _collective(_varying(x, axis_name), "reduce_scatter", axis_name, d, tiled, platform)
+
+
+def _reduce_scatter_call(x, axis_name: str, d: int, tiled: bool, platform: str):
     if platform == "cuda":
         return _collectives_mgpu.reduce_scatter(x, axis_name, scatter_dimension=d, tiled=tiled)
+    n = lax.axis_size(axis_name)
+    m = x.shape[d] // n
     chunk_shape = x.shape[:d] + (m,) + x.shape[d + 1:]
     chunks = jnp.moveaxis(x.reshape(x.shape[:d] + (n, m) + x.shape[d + 1:]), d, 0)
     kernel = functools.partial(_reduce_scatter_kernel, axis_name=axis_name,
@@ -293,6 +301,63 @@ def reduce_scatter(x: jax.Array, axis_name, *, scatter_dimension: int, tiled: bo
                         pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA((2,))],
         memory_space=pltpu.VMEM, collective_id=_REDUCE_SCATTER_COLLECTIVE_ID, platform=platform)
     return out if tiled else jnp.squeeze(out, d)
+
+
+# ---------------------------------------------------------------------------
+# Differentiation and batching
+#
+# The kernels have no AD or batching rules of their own. Reverse mode uses
+# the transpose of the xla reference (all-gather <-> reduce-scatter; for the
+# invariant all-gather a local slice), so the backward pass runs XLA's
+# collective; the forward keeps the input as the residual. Under vmap the
+# batch becomes one more leading dimension of the same collective.
+
+_CALLS = {"all_gather": _all_gather_call, "reduce_scatter": _reduce_scatter_call}
+
+
+def _reference(op: str, axis_name: str, dim: int, tiled: bool):
+    if op == "all_gather":
+        return functools.partial(xla_collectives.all_gather, axis_name=axis_name, axis=dim,
+                                 tiled=tiled)
+    return functools.partial(xla_collectives.reduce_scatter, axis_name=axis_name,
+                             scatter_dimension=dim, tiled=tiled)
+
+
+@functools.lru_cache(maxsize=256)
+def _batchable(op: str, axis_name: str, dim: int, tiled: bool, platform: str):
+    """The kernel call for ``op`` as a ``custom_vmap`` function of its operand."""
+
+    @jax.custom_batching.custom_vmap
+    def call(x):
+        return _CALLS[op](x, axis_name, dim, tiled, platform)
+
+    @call.def_vmap
+    def batched(axis_size, in_batched, x):
+        del axis_size
+        (is_batched,) = in_batched
+        if not is_batched:
+            return call(x), False
+        return _batchable(op, axis_name, dim + 1, tiled, platform)(x), True  # batch at 0
+
+    return call
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _collective(x, op: str, axis_name: str, dim: int, tiled: bool, platform: str):
+    return _batchable(op, axis_name, dim, tiled, platform)(x)
+
+
+def _collective_fwd(x, op, axis_name, dim, tiled, platform):
+    return _collective(x, op, axis_name, dim, tiled, platform), x
+
+
+def _collective_bwd(op, axis_name, dim, tiled, platform, x, ct):
+    del platform
+    _, transpose = jax.vjp(_reference(op, axis_name, dim, tiled), x)
+    return transpose(ct)
+
+
+_collective.defvjp(_collective_fwd, _collective_bwd)
 
 
 # ---------------------------------------------------------------------------
