@@ -110,7 +110,7 @@ def measure_cpu_peak(stream_mib: int = 128, matmul_n: int = 1024) -> Peak:
     rates = {}
     for dtype in (jnp.float32, jnp.bfloat16):
         a = jnp.ones((matmul_n, matmul_n), dtype)
-        seconds = _best_seconds(jax.jit(jnp.matmul), a, a, repeats=3)
+        seconds = _best_seconds(jax.jit(jnp.matmul), a, a, repeats=10)
         rates[dtype] = 2 * matmul_n**3 / seconds / 1e12
     return Peak(f"CPU ({device_kind()}, {jax.device_count()} devices)",
                 round(_stream_gbps(stream_mib), 2), rates[jnp.bfloat16], rates[jnp.float32],
