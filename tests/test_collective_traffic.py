@@ -147,3 +147,50 @@ def test_collectives_in_a_shard_map_body_without_set_mesh():
     fn = shard_mapped(lambda s: nx.untile(s, {"x": 0}), m, P("x"), P())
     (c,) = hlo.collectives(fn.lower(data((128, 4), m, P("x"))).compile())
     assert c.kind == "all-gather"
+
+
+# ---------------------------------------------------------------------------
+# Sum-then-tile over the same mesh axes fuses into one reduce-scatter
+
+
+@pytest.mark.parametrize("body,spec", [
+    (lambda s: nx.tile(nx.psum(s, "x"), {"x": 0}), P()),
+    (lambda s: nx.tile(nx.sum(s, ("x", 1)), {"x": 0}), P()),
+], ids=["psum_then_tile", "sum_then_tile"])
+def test_sum_then_tile_is_one_reduce_scatter(body, spec):
+    m = make_mesh((8,), ("x",))
+    x = data((128, 4), m, spec)
+    fn = shard_mapped(body, m, spec, P("x"))
+    c = only_collective(fn, x, m)
+    assert (c.kind, c.group_size, c.ratio) == ("reduce-scatter", 8, 1.0)
+    with jax.set_mesh(m):
+        got = np.asarray(fn(x))
+    want = np.asarray(x) * 8
+    want = want if want.ndim == got.ndim else want.sum(1)
+    np.testing.assert_allclose(got, want.reshape(got.shape))
+
+
+def test_named_contraction_then_tile_is_one_reduce_scatter():
+    m = make_mesh((8,), ("x",))
+    a, b = data((16, 8), m, P(None, "x")), data((8, 3), m, P("x"))
+    fn = jax.jit(jax.shard_map(lambda v, w: nx.tile(nx.einsum("ik<x>,kj<x>->ij", v, w), {"x": 0}),
+                               mesh=m, in_specs=(P(None, "x"), P("x")), out_specs=P("x")))
+    with jax.set_mesh(m):
+        (c,) = hlo.collectives(fn.lower(a, b).compile())
+        got = fn(a, b)
+        grad = jax.grad(lambda v: (fn(v, b) ** 2).sum())(a)
+    assert (c.kind, c.ratio) == ("reduce-scatter", 1.0)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(a) @ np.asarray(b), rtol=1e-5)
+    want = jax.grad(lambda v: ((v @ np.asarray(b)) ** 2).sum())(np.asarray(a))
+    np.testing.assert_allclose(np.asarray(grad), want, rtol=1e-4)
+
+
+def test_tile_over_other_axes_does_not_fuse():
+    # psum over 'x' then tile over 'y': a real all-reduce is needed.
+    m = make_mesh((2, 4), ("x", "y"))
+    fn = shard_mapped(lambda s: nx.tile(nx.psum(s, "x"), {"y": 0}), m, P(), P("y"))
+    with jax.set_mesh(m):
+        kinds = [c.kind for c in hlo.collectives(fn.lower(data((16, 4), m, P())).compile())]
+        got = fn(data((16, 4), m, P()))
+    assert kinds == ["all-reduce"]
+    np.testing.assert_allclose(np.asarray(got), 2 * (np.arange(64).reshape(16, 4) % 7))

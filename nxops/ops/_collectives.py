@@ -20,7 +20,7 @@ from jax.interpreters import ad, batching, mlir
 
 from nxops._errors import NxopsError
 from nxops.kernels import _registry
-from nxops.ops import _axis_env
+from nxops.ops import _axis_env, _fusion
 from nxops.kernels.xla import tile as xla_tile
 from nxops.ops._primitive import kernel_primitive, selection_param
 
@@ -322,7 +322,10 @@ def tile(x, axes: Mapping):
             raise NxopsError(f"nx.tile: dim {dim} of x (shape {x.shape}) has size {x.shape[dim]}, "
                              f"not divisible by the size {size} of {name!r}.")
         physical, vmap_names, mesh_names = _physical(name, "tile", allow_loop=True)
-        if mesh_names or not vmap_names:  # major part first: this device's tile
+        partial = _fusion.partial_of(x, mesh_names) if mesh_names else None
+        if partial is not None:  # tile(psum(p)) over the same mesh axes: one reduce-scatter
+            x = psum_scatter(partial, mesh_names, scatter_dimension=dim, tiled=True)
+        elif mesh_names or not vmap_names:  # major part first: this device's tile
             count = axis_size(mesh_names) if vmap_names else size
             axes_here = mesh_names or physical
             index = lax.axis_index(axes_here if len(axes_here) > 1 else axes_here[0])

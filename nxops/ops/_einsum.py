@@ -16,7 +16,7 @@ import opt_einsum
 from jax import lax
 
 from nxops._errors import NxopsError
-from nxops.ops import _axis_env
+from nxops.ops import _axis_env, _fusion
 from nxops.ops._dot import bind_dot_general
 from nxops.ops._einsum_spec import ELLIPSIS, EinsumSpec, Term, parse_einsum_spec
 from nxops.ops._primitive import selection_param
@@ -206,7 +206,7 @@ def einsum(spec: str, *operands, precision=None, preferred_element_type=None):
         value = jnp.transpose(value, [result.labels.index(lab) for lab in out_labels])
     mesh_contracted = tuple(sorted(all_mesh - set(out_mesh)))
     if mesh_contracted:
-        value = lax.psum(value, mesh_contracted)
+        value = _fusion.remember_mesh_sum(lax.psum(value, mesh_contracted), value, mesh_contracted)
     return value
 
 
@@ -224,7 +224,9 @@ def pdot(x, y, axis_name, *, pos_contract=((), ()), pos_batch=((), ()), precisio
     dims = _check_pdot_dims(x, y, pos_contract, pos_batch)
     out = bind_dot_general(x, y, dimension_numbers=dims, contract_names=vmap_names,
                            precision=precision, kernels=selection_param())
-    return lax.psum(out, mesh_names) if mesh_names else out
+    if not mesh_names:
+        return out
+    return _fusion.remember_mesh_sum(lax.psum(out, mesh_names), out, mesh_names)
 
 
 def _check_pdot_dims(x, y, pos_contract, pos_batch):

@@ -20,7 +20,7 @@ from jax.interpreters import ad, batching
 
 from nxops._errors import NxopsError
 from nxops.kernels.xla import reduce as xla_reduce
-from nxops.ops import _axis_env
+from nxops.ops import _axis_env, _fusion
 from nxops.ops._collectives import axis_size
 from nxops.ops._primitive import kernel_primitive, selection_param
 
@@ -186,7 +186,9 @@ def reduce(x, axis, op: str, *, public_name: str | None = None):
     elif op == "logsumexp" and not jnp.issubdtype(y.dtype, jnp.inexact):
         y = y.astype(jnp.result_type(float))
     if mesh_names:
-        if op in _MESH_REDUCERS:
+        if op == "sum":
+            y = _fusion.remember_mesh_sum(lax.psum(y, mesh_names), y, mesh_names)
+        elif op in _MESH_REDUCERS:
             y = _MESH_REDUCERS[op](y, mesh_names)
         elif op == "logsumexp":
             y = _mesh_logsumexp(y, mesh_names)
