@@ -40,20 +40,20 @@ def bind_reduce(x, *, axes, op, axis_names, kernels):
 
 def _reduce_batcher(axis_data, vals_in, dims_in, *, axes, op, axis_names, kernels):
     (x,), (d,) = vals_in, dims_in
-    if axis_data.name in axis_names:
-        rest = tuple(n for n in axis_names if n != axis_data.name)
-        if d is None:
-            # Replicated along the name: `size` equal copies, in closed form.
-            y = bind_reduce(x, axes=axes, op=op, axis_names=rest, kernels=kernels)
-            return _reduce_equal_copies(y, op, axis_data.size), None
-        x = jnp.moveaxis(x, d, 0)
-        new_axes = (0,) + tuple(a + 1 for a in axes)
-        return bind_reduce(x, axes=new_axes, op=op, axis_names=rest, kernels=kernels), None
+    rest = tuple(n for n in axis_names if n != axis_data.name)
     if d is None:
-        return bind_reduce(x, axes=axes, op=op, axis_names=axis_names, kernels=kernels), d
-    x = jnp.moveaxis(x, d, 0)
-    new_axes = tuple(a + 1 for a in axes)
-    return bind_reduce(x, axes=new_axes, op=op, axis_names=axis_names, kernels=kernels), 0
+        y = bind_reduce(x, axes=axes, op=op, axis_names=rest, kernels=kernels)
+        if axis_data.name in axis_names:
+            # Replicated along the name: `size` equal copies, in closed form.
+            return _reduce_equal_copies(y, op, axis_data.size), None
+        return y, None
+    # The batch dim stays where it is (moving it would copy x): the positional
+    # axes after it shift by one.
+    shifted = tuple(a + (a >= d) for a in axes)
+    if axis_data.name in axis_names:
+        return bind_reduce(x, axes=shifted + (d,), op=op, axis_names=rest, kernels=kernels), None
+    out = bind_reduce(x, axes=shifted, op=op, axis_names=axis_names, kernels=kernels)
+    return out, d - len([a for a in shifted if a < d])
 
 
 def _reduce_equal_copies(y, op: str, size: int):
