@@ -153,3 +153,14 @@ def test_mosaic_kernels_need_every_mesh_axis_manual_on_tpu():
         assert nx.kernels.explain(full_mesh, x, platform="tpu").backends() == {"reduce": {"pallas"}}
         with nx.kernels.use("pallas"), pytest.raises(nx.NxopsError, match="every mesh axis is manual"):
             nx.kernels.explain(partial_mesh, x, platform="tpu")
+
+
+def test_auto_prefers_pallas_compute_kernels_but_xla_collectives_on_tpu():
+    aval = jax.typeof(jnp.ones((8, 128)))
+    auto = nx.kernels.parse_selection("auto")
+    assert _registry.choose("reduce", "tpu", auto, (aval,), axes=(1,), op="sum").kernel.backend == "pallas"
+    gather = _registry.choose("all_gather", "tpu", auto, (aval,), axis_name="x", axis=0, tiled=True)
+    assert gather.kernel.backend == "xla"
+    explicit = _registry.choose("all_gather", "tpu", nx.kernels.parse_selection("collective=pallas"),
+                                (aval,), axis_name="x", axis=0, tiled=True)
+    assert explicit.kernel.backend == "pallas"

@@ -44,6 +44,18 @@ AUTO_PREFERENCE: dict[str, tuple[str, ...]] = {
     "rocm": ("pallas", "xla"),
     "tpu": ("pallas", "xla"),
 }
+# Per-family exceptions. The Pallas ring collectives have only run in TPU
+# interpret mode; XLA's ICI collectives are tuned, so `auto` keeps them until
+# the kernels are measured on a TPU (`collective=pallas` still selects them).
+AUTO_PREFERENCE_BY_FAMILY: dict[tuple[str, str], tuple[str, ...]] = {
+    ("collective", "tpu"): ("xla",),
+}
+
+
+def auto_preference(op: str, platform: str) -> tuple[str, ...]:
+    """The backends `auto` tries for ``op`` on ``platform``, in order."""
+    default = AUTO_PREFERENCE.get(platform, ("xla",))
+    return AUTO_PREFERENCE_BY_FAMILY.get((OP_FAMILY[op], platform), default)
 
 NotSupportedReasons = Callable[..., Sequence[str]]
 
@@ -223,7 +235,7 @@ def choose(op: str, platform: str, selection: Selection, avals: Sequence[Any],
            auto_partitioned: bool = False, /, **params: Any) -> Choice:
     """The kernel that runs ``op`` for this case on ``platform``.
 
-    ``auto`` takes the first backend of ``AUTO_PREFERENCE[platform]`` that is
+    ``auto`` takes the first backend of ``auto_preference(op, platform)`` that is
     registered and supports the case; an explicitly requested backend that
     cannot take the case raises NxopsError with its reasons. ``auto_partitioned``
     says the op is lowered where XLA partitions some mesh axes automatically.
@@ -231,7 +243,7 @@ def choose(op: str, platform: str, selection: Selection, avals: Sequence[Any],
     requested = selection.backend_for(op)
     if requested == "auto":
         passed_over = []
-        for backend in AUTO_PREFERENCE.get(platform, ("xla",)):
+        for backend in auto_preference(op, platform):
             kernel = _KERNELS.get((op, backend))
             if kernel is None:
                 continue
