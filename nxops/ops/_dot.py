@@ -31,50 +31,55 @@ def bind_dot_general(a, b, *, dimension_numbers, contract_names=(), precision=No
                               kernels=kernels)
 
 
-def _shift(dims, by=1):
-    return tuple(d + by for d in dims)
+def _shift(dims, at):
+    """Dim numbers of the unbatched operand, in the operand with a batch dim at ``at``."""
+    return tuple(d + (d >= at) for d in dims)
 
 
-def _front(x, d):
-    """Moves the batch dim ``d`` of ``x`` to the front."""
-    return jnp.moveaxis(x, d, 0)
+def _free_dims(ndim, contract, batch):
+    return [d for d in range(ndim) if d not in contract and d not in batch]
 
 
 def _dot_batcher(axis_data, vals_in, dims_in, *, dimension_numbers, contract_names, **params):
+    """Batch dims stay in place (dot_general takes dims anywhere): no transposes."""
     (a, b), (da, db) = vals_in, dims_in
     (ac, bc), (ab, bb) = dimension_numbers
-    name, size = axis_data.name, axis_data.size
+    if da is not None:
+        ac, ab = _shift(ac, da), _shift(ab, da)
+    if db is not None:
+        bc, bb = _shift(bc, db), _shift(bb, db)
+    name = axis_data.name
     if name in contract_names:
         rest = tuple(n for n in contract_names if n != name)
-        if da is None and db is None:
-            # Both replicated along the name: the sum of `size` equal terms.
+        if da is None and db is None:  # both replicated: `size` equal terms
             out = bind_dot_general(a, b, dimension_numbers=dimension_numbers,
                                    contract_names=rest, **params)
-            return out * jnp.asarray(size, out.dtype), None
-        a = jnp.broadcast_to(a, (size, *a.shape)) if da is None else _front(a, da)
-        b = jnp.broadcast_to(b, (size, *b.shape)) if db is None else _front(b, db)
-        dims = (((0,) + _shift(ac), (0,) + _shift(bc)), (_shift(ab), _shift(bb)))
+            return out * jnp.asarray(axis_data.size, out.dtype), None
+        if da is None or db is None:  # bilinear: sum the varying operand first
+            if da is None:
+                b = bind_reduce(b, axes=(db,), op="sum", axis_names=(), kernels=params["kernels"])
+                bc, bb = dimension_numbers[0][1], dimension_numbers[1][1]
+            else:
+                a = bind_reduce(a, axes=(da,), op="sum", axis_names=(), kernels=params["kernels"])
+                ac, ab = dimension_numbers[0][0], dimension_numbers[1][0]
+            dims = ((ac, bc), (ab, bb))
+            return bind_dot_general(a, b, dimension_numbers=dims, contract_names=rest, **params), None
+        dims = ((ac + (da,), bc + (db,)), (ab, bb))
         return bind_dot_general(a, b, dimension_numbers=dims, contract_names=rest, **params), None
     if da is None and db is None:
         return bind_dot_general(a, b, dimension_numbers=dimension_numbers,
                                 contract_names=contract_names, **params), None
     if da is not None and db is not None:
-        dims = ((_shift(ac), _shift(bc)), ((0,) + _shift(ab), (0,) + _shift(bb)))
-        out = bind_dot_general(_front(a, da), _front(b, db), dimension_numbers=dims,
-                               contract_names=contract_names, **params)
+        dims = ((ac, bc), ((da,) + ab, (db,) + bb))
+        out = bind_dot_general(a, b, dimension_numbers=dims, contract_names=contract_names, **params)
         return out, 0
-    n_batch = len(ab)
-    if da is not None:
-        # The new dim is a's first free dim: right after the batch dims.
-        dims = ((_shift(ac), bc), (_shift(ab), bb))
-        out = bind_dot_general(_front(a, da), b, dimension_numbers=dims,
-                               contract_names=contract_names, **params)
-        return out, n_batch
-    a_free = a.ndim - len(ac) - len(ab)
-    dims = ((ac, _shift(bc)), (ab, _shift(bb)))
-    out = bind_dot_general(a, _front(b, db), dimension_numbers=dims,
+    out = bind_dot_general(a, b, dimension_numbers=((ac, bc), (ab, bb)),
                            contract_names=contract_names, **params)
-    return out, n_batch + a_free
+    # The result's dims: batch dims, then a's free dims, then b's, each in order.
+    if da is not None:
+        return out, len(ab) + _free_dims(a.ndim, ac, ab).index(da)
+    n_a_free = len(_free_dims(a.ndim, ac, ab))
+    return out, len(ab) + n_a_free + _free_dims(b.ndim, bc, bb).index(db)
 
 
 batching.fancy_primitive_batchers[dot_general_p] = _dot_batcher
