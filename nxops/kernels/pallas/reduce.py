@@ -146,14 +146,17 @@ def _row_kernel_triton(x_ref, o_ref, *, op: str, bo: int, br: int):
                 mask=out_rows < n_outer)
 
 
-def _row_kernel_mosaic(x_ref, o_ref, acc_ref, sum_ref=None, *, op: str, n_reduced: int):
-    j = pl.program_id(1)
-    bo, br = x_ref.shape
+def _accumulate_kernel_mosaic(x_ref, o_ref, acc_ref, sum_ref=None, *, op: str, n_reduced: int,
+                              reduce_axis: int, step_axis: int):
+    """One block of a row (reduce_axis=1) or column (reduce_axis=0) reduction:
+    grid axis ``step_axis`` walks the reduced dim, accumulating in f32 scratch."""
+    j = pl.program_id(step_axis)
+    block = x_ref.shape[reduce_axis]
     monoid = _MONOIDS[op]
     x = x_ref[...].astype(F32)
-    if n_reduced % br:  # mask the tail of the last block (garbage past the end)
-        cols = j * br + lax.broadcasted_iota(jnp.int32, (bo, br), 1)
-        x = jnp.where(cols < n_reduced, x, monoid.identity)
+    if n_reduced % block:  # mask the tail of the last block (garbage past the end)
+        idx = j * block + lax.broadcasted_iota(jnp.int32, x_ref.shape, reduce_axis)
+        x = jnp.where(idx < n_reduced, x, monoid.identity)
 
     @pl.when(j == 0)
     def _init():
@@ -162,14 +165,18 @@ def _row_kernel_mosaic(x_ref, o_ref, acc_ref, sum_ref=None, *, op: str, n_reduce
             sum_ref[...] = jnp.zeros(sum_ref.shape, F32)
 
     if op == "logsumexp":
-        acc_ref[...], sum_ref[...] = _lse_update(acc_ref[...], sum_ref[...], x, 1, "mosaic")
+        acc_ref[...], sum_ref[...] = _lse_update(acc_ref[...], sum_ref[...], x, reduce_axis, "mosaic")
     else:
-        acc_ref[...] = monoid.combine(acc_ref[...], _reduce_block(x, 1, op, "mosaic"))
+        acc_ref[...] = monoid.combine(acc_ref[...], _reduce_block(x, reduce_axis, op, "mosaic"))
 
-    @pl.when(j == pl.num_programs(1) - 1)
+    @pl.when(j == pl.num_programs(step_axis) - 1)
     def _finish():
         result = acc_ref[...] if op != "logsumexp" else _lse_finish(acc_ref[...], sum_ref[...])
         o_ref[...] = result.astype(o_ref.dtype)
+
+
+_row_kernel_mosaic = functools.partial(_accumulate_kernel_mosaic, reduce_axis=1, step_axis=1)
+_column_kernel_mosaic = functools.partial(_accumulate_kernel_mosaic, reduce_axis=0, step_axis=2)
 
 
 def _row_reduce_call(x2, op: str, target: Target, out_dtype) -> jax.Array:
@@ -256,32 +263,6 @@ def _column_kernel_triton(x_ref, o_ref, *, op: str, br: int, bi: int):
     out_cols = k * bi + jnp.arange(bi)
     plgpu.store(o_ref.at[o, pl.ds(k * bi, bi)], result[0].astype(o_ref.dtype),
                 mask=out_cols < n_inner)
-
-
-def _column_kernel_mosaic(x_ref, o_ref, acc_ref, sum_ref=None, *, op: str, n_reduced: int):
-    j = pl.program_id(2)
-    br, bi = x_ref.shape
-    monoid = _MONOIDS[op]
-    x = x_ref[...].astype(F32)
-    if n_reduced % br:
-        rows = j * br + lax.broadcasted_iota(jnp.int32, (br, bi), 0)
-        x = jnp.where(rows < n_reduced, x, monoid.identity)
-
-    @pl.when(j == 0)
-    def _init():
-        acc_ref[...] = jnp.full(acc_ref.shape, monoid.identity, F32)
-        if sum_ref is not None:
-            sum_ref[...] = jnp.zeros(sum_ref.shape, F32)
-
-    if op == "logsumexp":
-        acc_ref[...], sum_ref[...] = _lse_update(acc_ref[...], sum_ref[...], x, 0, "mosaic")
-    else:
-        acc_ref[...] = monoid.combine(acc_ref[...], _reduce_block(x, 0, op, "mosaic"))
-
-    @pl.when(j == pl.num_programs(2) - 1)
-    def _finish():
-        result = acc_ref[...] if op != "logsumexp" else _lse_finish(acc_ref[...], sum_ref[...])
-        o_ref[...] = result.astype(o_ref.dtype)
 
 
 def _column_reduce(x3, op: str, target: Target) -> jax.Array:
