@@ -140,6 +140,11 @@ def _vmap_name(name: str, mesh_axes, loops, mesh: Mesh | None) -> str:
     return name
 
 
+def show_resource(resource: Any) -> str:
+    """A resource as messages show it: a mesh axis quoted, a loop by name."""
+    return resource.name if isinstance(resource, (SerialLoop, NamedLoop)) else repr(resource)
+
+
 def check_shared_resources(plan: Plan, spec: AxisSpec, what: str) -> None:
     """Two names of one value may not share a resource (the value would be split
     twice along it)."""
@@ -147,10 +152,9 @@ def check_shared_resources(plan: Plan, spec: AxisSpec, what: str) -> None:
     for name in spec.axis_names:
         for r in plan.axis(name).resources:
             if r in owner:
-                shown = r.name if isinstance(r, (SerialLoop, NamedLoop)) else repr(r)
                 raise NxopsError(
                     f"Axes {owner[r]!r} and {name!r} are both mapped to the resource "
-                    f"{shown}, but they coincide in {what} with specification "
+                    f"{show_resource(r)}, but they coincide in {what} with specification "
                     f"{spec.user_repr}: one value cannot be split along one resource "
                     f"twice. Map them to different resources.")
             owner[r] = name

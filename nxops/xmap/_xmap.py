@@ -19,6 +19,7 @@ from nxops.xmap._program import build_program
 from nxops.xmap._resources import loops_in_scope
 from nxops.xmap._specs import (AxisSpec, broadcast_specs, infer_axis_sizes, parse_spec_tree,
                                spec_names)
+from nxops.xmap._variance import check_no_cooccurrence
 
 # The meshes in scope when the enclosing xmap was called (None: no enclosing xmap).
 _ENCLOSING_MESH: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
@@ -114,6 +115,9 @@ class XmapFunction:
     def _make_jitted(self, mesh: Mesh | None):
         def run(*args):
             plan, flat_specs = self._plan(args, mesh)
+            with _enclosing_mesh():
+                check_no_cooccurrence(self._fun, plan, jax.tree.structure(args),
+                                      jax.tree.leaves(args), flat_specs)
             program, outputs = build_program(self._fun, plan, jax.tree.structure(args),
                                              flat_specs, self._out_axes, self._user_out_axes)
             with logical_axes(plan.logical_axes()), _enclosing_mesh():

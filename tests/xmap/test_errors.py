@@ -222,3 +222,61 @@ def test_raw_psum_over_a_looped_name_is_unbound():
              axis_resources={"a": SerialLoop(2)})
     with pytest.raises(NameError):
         f(X)
+
+
+# -- two names sharing a resource, co-occurring inside the body ------------------
+# Each device (or loop step) holds matching chunks of both names only, so these
+# bodies would silently compute wrong results (old xmap left them unchecked).
+
+U = np.arange(4, dtype=np.float32) + 1
+V = np.arange(4, dtype=np.float32) * 10 + 3
+
+
+def _scan_body(u, v):
+    carry, _ = jax.lax.scan(lambda c, _: (c * v, None), u, None, length=3)
+    return nx.sum(nx.sum(carry, "a"), "b")
+
+
+def _cond_body(u, v):
+    picked = jax.lax.cond(u > 2, lambda: v, lambda: -v)   # the predicate varies along a
+    return nx.psum(picked, ("a", "b"))
+
+
+COOCCURRING_BODIES = {
+    "intermediate": lambda u, v: nx.sum(nx.sum(jnp.tanh(u * v), "a"), "b"),
+    "one_reduction": lambda u, v: nx.sum(u * v, ("a", "b")),
+    "einsum": lambda u, v: nx.sum(nx.einsum("{a},{b}->{a,b}", u, v), ("a", "b")),
+    "scan": _scan_body,
+    "cond": _cond_body,
+    "checkpoint": lambda u, v: nx.psum(jax.checkpoint(lambda x, y: x * y)(u, v), ("a", "b")),
+}
+
+
+@pytest.mark.parametrize("body", COOCCURRING_BODIES.values(), ids=COOCCURRING_BODIES)
+def test_names_sharing_a_resource_cooccur_in_the_body(mesh, body):
+    f = xmap(body, (["a"], ["b"]), [], axis_resources={"a": "x", "b": "x"})
+    with jax.set_mesh(mesh):
+        with _raises(r"'a' and 'b' are both mapped to the resource 'x', but in the xmapped "
+                     r"function .* varies along both \(at .*test_errors.py:\d+.*\).*Map one "
+                     r"of them to other resources"):
+            f(U, V)
+    # The same body is fine when the names do not share a resource.
+    with jax.set_mesh(mesh):
+        xmap(body, (["a"], ["b"]), [], axis_resources={"a": "x", "b": "y"})(U, V[:2])
+
+
+def test_collective_over_one_shared_name_of_a_value_along_the_other(mesh):
+    # max over b of a value varying along a: a psum over 'x' would mix a's chunks.
+    f = xmap(lambda u, v: nx.sum(nx.max(u, "b"), "a") + 0 * nx.sum(v, "b"), (["a"], ["b"]), [],
+             axis_resources={"a": "x", "b": "x"})
+    with jax.set_mesh(mesh):
+        with _raises(r"'b' and 'a' are both mapped to the resource 'x', but in the xmapped "
+                     r"function nx_reduce over 'b' takes a value that varies along 'a'"):
+            f(U, V)
+
+
+def test_names_sharing_a_loop_cooccur_in_the_body():
+    f = xmap(lambda u, v: u * v * 0 + u, (["a"], ["b"]), ["a"], axis_resources={"a": "l", "b": "l"})
+    with serial_loop("l", 2):
+        with _raises(r"'a' and 'b' are both mapped to the resource l, .*varies along both"):
+            f(U, V)

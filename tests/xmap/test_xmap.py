@@ -306,3 +306,59 @@ def test_plan_and_trace_are_cached():
     with jax.set_mesh(MESH_2x2):   # another mesh: a new plan
         close(f(A), A.sum(0))
     assert len(traces) == 3
+
+
+# -- names sharing a resource without co-occurring in one value -------------------
+
+def separate_names(u, w):
+    """u varies along a, w along b; no value varies along both."""
+    su = nx.sum(jnp.sin(u), "a")                                      # (3,)
+    carried, _ = lax.scan(lambda c, _: (c * 0.5 + 1, None), w, None, length=2)
+    return u * 2, jnp.tanh(carried) + su[:, None], su @ nx.max(w, "b")
+
+
+def separate_names_reference(u, w):
+    su = np.sin(u).sum(0)
+    carried = (w * 0.5 + 1) * 0.5 + 1
+    return u * 2, np.tanh(carried) + su[:, None], su @ w.max(0)
+
+
+SEPARATE_IN = (["a", None], ["b", None, None])
+SEPARATE_OUT = (["a", None], ["b", None, None], [None])
+
+
+@pytest.mark.parametrize("resources", [{"a": "y", "b": "y"}, {"a": ("x", "y"), "b": "x"}],
+                         ids=str)
+def test_names_sharing_a_resource_without_cooccurring(resources):
+    u = A[:, 0, :]
+    unplaced = xmap(separate_names, SEPARATE_IN, SEPARATE_OUT, axis_resources={})(u, W)
+    with jax.set_mesh(MESH_8):
+        out = xmap(separate_names, SEPARATE_IN, SEPARATE_OUT, axis_resources=resources)(u, W)
+    for got, want, ref in zip(out, unplaced, separate_names_reference(u, W)):
+        close(got, want)
+        close(got, ref)
+
+
+def test_names_sharing_a_loop_without_cooccurring():
+    body = lambda u, w: (u * 2, jnp.tanh(w) + 1)   # noqa: E731
+    u = A[:, 0, :]
+    with serial_loop("l", 2):
+        out = xmap(body, SEPARATE_IN, SEPARATE_OUT[:2], axis_resources={"a": "l", "b": "l"})(u, W)
+    close(out[0], u * 2)
+    close(out[1], np.tanh(W) + 1)
+
+
+def test_sharing_check_is_traced_once_per_plan():
+    traces = []
+
+    def body(u, w):
+        traces.append(1)
+        return separate_names(u, w)
+
+    f = xmap(body, SEPARATE_IN, SEPARATE_OUT, axis_resources={"a": "y", "b": "y"})
+    with jax.set_mesh(MESH_8):
+        f(A[:, 0, :], W)
+        first = len(traces)
+        for _ in range(3):
+            f(A[:, 0, :], W)
+    assert len(traces) == first   # repeated calls neither re-plan nor re-check

@@ -1,0 +1,225 @@
+"""Which logical names each value of an xmap body varies along.
+
+Two names mapped to one resource (``axis_resources={'a': 'x', 'b': 'x'}``)
+split their values along it in lockstep: device (or loop step) ``i`` holds
+chunk ``i`` of ``a`` *and* chunk ``i`` of ``b``. A value that varies along
+both (``u * v`` with ``u`` along ``a`` and ``v`` along ``b``) would need every
+pair of chunks, so each device would compute only the diagonal blocks; a
+collective over ``b`` of a value varying along ``a`` would likewise mix the
+chunks of ``a``. Both silently give wrong results, so the plan checks for
+them once, when it is made: the body is traced to a jaxpr with each logical
+name bound as a plain named axis, and the set of names every value varies
+along is propagated through it (names only, no data).
+
+Only plans where two names share a resource pay for this trace.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Any, Callable, Sequence
+
+import jax
+from jax._src import core, source_info_util
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+
+from nxops._errors import NxopsError
+from nxops.ops._axis_env import LogicalAxis, logical_axes
+from nxops.xmap._plan import Plan, show_resource
+from nxops.xmap._specs import AxisSpec
+
+Names = frozenset
+
+# lax collectives: the parameter naming their axes, and whether the result
+# still varies along them ("keep") or not ("drop").
+_LAX_COLLECTIVES = {
+    "psum": ("axes", "drop"), "pmax": ("axes", "drop"), "pmin": ("axes", "drop"),
+    "psum_invariant": ("axes", "drop"),
+    "all_gather": ("axis_name", "drop"), "all_gather_invariant": ("axis_name", "drop"),
+    "reduce_scatter": ("axis_name", "keep"), "all_to_all": ("axis_name", "keep"),
+    "ppermute": ("axis_name", "keep"),
+}
+# nxops primitives (before batching, names are parameters).
+_NX_COLLECTIVES = {"nx_reduce": "axis_names", "nx_dot_general": "contract_names"}
+
+
+def shared_resources(plan: Plan) -> dict[frozenset, Any]:
+    """``{frozenset({a, b}): resource}`` for each pair of names sharing one."""
+    shared = {}
+    for a, b in itertools.combinations(plan.axes, 2):
+        common = [r for r in a.resources if r in b.resources]
+        if common:
+            shared[frozenset((a.name, b.name))] = common[0]
+    return shared
+
+
+def check_no_cooccurrence(body: Callable, plan: Plan, in_tree, flat_args: Sequence,
+                          flat_specs: Sequence[AxisSpec]) -> None:
+    """Raises NxopsError if a value of ``body`` varies along two names that
+    share a resource, or a collective over one of them takes a value varying
+    along the other. Does nothing (no trace) when no names share a resource."""
+    shared = shared_resources(plan)
+    if not shared:
+        return
+    try:
+        jaxpr = _trace_per_instance(body, plan, in_tree, flat_args, flat_specs)
+    except Exception:  # noqa: BLE001
+        # An error in the body itself: the program's own trace, which comes
+        # next, reports it (with the real resources bound).
+        return
+    logical = {a.vmap_name: a.name for a in plan.axes}
+    _Analysis(logical, shared).run(jaxpr.jaxpr, [Names(s.axis_names) for s in flat_specs])
+
+
+def _trace_per_instance(body, plan: Plan, in_tree, flat_args, flat_specs) -> ClosedJaxpr:
+    """The body's jaxpr on one instance's avals (named dims removed), with each
+    name bound as the plain axis ``vmap_name`` of the name's full size."""
+    avals = []
+    for x, spec in zip(flat_args, flat_specs):
+        aval = jax.typeof(x)
+        named = spec.mapping
+        shape = tuple(d for i, d in enumerate(aval.shape) if i not in named)
+        avals.append(jax.ShapeDtypeStruct(shape, aval.dtype, weak_type=aval.weak_type))
+    env = {a.name: LogicalAxis(physical=(a.vmap_name,)) for a in plan.axes}
+    flat_body = lambda *flat: body(*jax.tree.unflatten(in_tree, flat))  # noqa: E731
+    with logical_axes(env):
+        axis_env = [(a.vmap_name, a.size) for a in plan.axes]
+        return jax.make_jaxpr(flat_body, axis_env=axis_env)(*avals)
+
+
+class _Analysis:
+    """Propagates, equation by equation, the logical names each variable of a
+    jaxpr varies along, and raises at the first pair sharing a resource."""
+
+    def __init__(self, logical: dict, shared: dict[frozenset, Any]):
+        self._logical = logical   # physical (vmap) name -> logical name
+        self._shared = shared
+
+    def run(self, jaxpr: Jaxpr, in_names: Sequence[Names]) -> list[Names]:
+        """The names each output of ``jaxpr`` varies along, given its inputs'."""
+        env: dict = {}
+        for var, names in zip(jaxpr.invars, in_names):
+            env[var] = names
+        for var in jaxpr.constvars:
+            env[var] = Names()
+        read = lambda v: Names() if isinstance(v, Literal) else env[v]  # noqa: E731
+        for eqn in jaxpr.eqns:
+            outs = self._eqn(eqn, [read(v) for v in eqn.invars])
+            for var, names in zip(eqn.outvars, outs):
+                self._check(names, eqn)
+                env[var] = names
+        return [read(v) for v in jaxpr.outvars]
+
+    # -- one equation ------------------------------------------------------
+
+    def _eqn(self, eqn, ins: list[Names]) -> list[Names]:
+        name, params = eqn.primitive.name, eqn.params
+        n_out = len(eqn.outvars)
+        if name in _LAX_COLLECTIVES:
+            param, effect = _LAX_COLLECTIVES[name]
+            axes = self._names(params[param])
+            for names in ins:
+                self._check(names | axes, eqn, axes)
+            if len(ins) == n_out:   # psum & co. take several operands, one per result
+                return [n - axes if effect == "drop" else n | axes for n in ins]
+            union = Names().union(*ins)
+            return [union - axes if effect == "drop" else union | axes] * n_out
+        if name == "axis_index":
+            return [self._names(params["axis_name"])] * n_out
+        if name in _NX_COLLECTIVES:
+            axes = self._names(params[_NX_COLLECTIVES[name]])
+            union = Names().union(*ins)
+            self._check(union | axes, eqn, axes)
+            return [union - axes] * n_out
+        if name == "nx_named_layout":
+            axes = self._names(params["name"])
+            self._check(ins[0] | axes, eqn, axes)
+            return [ins[0] - axes if params["kind"] == "gather" else ins[0] | axes]
+        if name == "scan":
+            return self._scan(eqn, ins)
+        if name == "while":
+            return self._while(eqn, ins)
+        if name == "cond":
+            return self._cond(eqn, ins)
+        sub = [_open(j) for j in core.jaxprs_in_params(params)]
+        if len(sub) == 1 and len(sub[0].invars) == len(ins) and len(sub[0].outvars) == n_out:
+            return self.run(sub[0], ins)   # jit, checkpoint, custom_jvp/vjp, shard_map, ...
+        # Any other primitive: results vary along everything its operands vary along.
+        return [Names().union(*ins)] * n_out
+
+    def _scan(self, eqn, ins):
+        body = _open(eqn.params["jaxpr"])
+        n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+        consts, carry = ins[:n_consts], ins[n_consts:n_consts + n_carry]
+        xs = ins[n_consts + n_carry:]
+        while True:   # the carry grows monotonically: a fixed point within len(names) steps
+            outs = self.run(body, consts + carry + xs)
+            new_carry = [c | o for c, o in zip(carry, outs[:n_carry])]
+            if new_carry == carry:
+                return carry + outs[n_carry:]
+            carry = new_carry
+
+    def _while(self, eqn, ins):
+        p = eqn.params
+        cond, body = _open(p["cond_jaxpr"]), _open(p["body_jaxpr"])
+        n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
+        cond_consts, body_consts = ins[:n_cond], ins[n_cond:n_cond + n_body]
+        carry = ins[n_cond + n_body:]
+        while True:
+            # A predicate varying along a name makes the trip count, so every
+            # carry, vary along it.
+            (pred,) = self.run(cond, cond_consts + carry)
+            outs = self.run(body, body_consts + carry)
+            new_carry = [c | o | pred for c, o in zip(carry, outs)]
+            if new_carry == carry:
+                return carry
+            carry = new_carry
+
+    def _cond(self, eqn, ins):
+        index, operands = ins[0], ins[1:]
+        results = [self.run(_open(branch), operands) for branch in eqn.params["branches"]]
+        return [index.union(*per_branch) for per_branch in zip(*results)]
+
+    # -- names and checks ----------------------------------------------------
+
+    def _names(self, axes: Any) -> Names:
+        """The logical names of this plan among physical ``axes`` (a name or a tuple)."""
+        axes = axes if isinstance(axes, (tuple, list)) else (axes,)
+        return Names(self._logical[a] for a in axes if a in self._logical)
+
+    def _check(self, names: Names, eqn, over: Names = Names()) -> None:
+        """``names``: what a result of ``eqn`` varies along, or, for a collective
+        ``over`` some names, those plus what its operand varies along."""
+        if len(names) < 2:
+            return
+        for pair, resource in self._shared.items():
+            if pair <= names:
+                a, b = sorted(pair, key=lambda n: (n not in over, n))
+                if a in over:
+                    what = (f"{eqn.primitive.name} over {a!r} takes a value that varies "
+                            f"along {b!r}")
+                else:
+                    what = f"{eqn.primitive.name} gives a value that varies along both"
+                raise NxopsError(
+                    f"Axes {a!r} and {b!r} are both mapped to the resource "
+                    f"{show_resource(resource)}, but in the xmapped function {what}"
+                    f"{_where(eqn)}. Each device (or loop step) only holds matching "
+                    f"chunks of {a!r} and {b!r}, so this would compute wrong results. Map "
+                    f"one of them to other resources (other mesh axes, or none) in "
+                    f"axis_resources (e.g. keep only {a!r} on {show_resource(resource)}).")
+
+
+def _open(jaxpr: Jaxpr | ClosedJaxpr) -> Jaxpr:
+    return jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
+
+
+_NXOPS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _where(eqn) -> str:
+    """`` (at file:line (function))``: the innermost user frame of ``eqn``
+    outside JAX and nxops, if any."""
+    for frame in source_info_util.user_frames(eqn.source_info.traceback):
+        if not frame.file_name.startswith(_NXOPS_DIR):
+            return f" (at {frame.file_name}:{frame.start_line} ({frame.function_name}))"
+    return ""
