@@ -166,6 +166,20 @@ def _resolve_term_names(spec: EinsumSpec, term: Term, contracted: set[str]):
     return tuple(vmap_names), tuple(mesh_names)
 
 
+def _check_distinct_physical_axes(spec: EinsumSpec) -> None:
+    """Two logical names carried by one physical axis cannot be told apart on
+    a device (each holds only matching chunks of both): refuse the spec."""
+    owner: dict[str, str] = {}
+    for name in dict.fromkeys(n for t in (*spec.inputs, spec.output) for n in t.names):
+        for axis in _axis_env.resolve((name,), op=f"nx.einsum {spec.text!r}", allow_loop=True):
+            other = owner.setdefault(axis, name)
+            if other != name:
+                raise NxopsError(
+                    f"nx.einsum {spec.text!r}: names {other!r} and {name!r} are both carried by "
+                    f"axis {axis!r}, so no device holds the pairs of positions the spec "
+                    f"combines. Map one of them to other mesh axes (or none) in axis_resources.")
+
+
 def einsum(spec: str, *operands, precision=None, preferred_element_type=None):
     """Einsum over positional letters and named axes.
 
@@ -184,6 +198,7 @@ def einsum(spec: str, *operands, precision=None, preferred_element_type=None):
     operands = [jnp.asarray(x, dtype) for x in operands]
     labels_per_operand, out_labels, operands = _expand_ellipsis(parsed, operands)
     _check_sizes(parsed, operands, labels_per_operand)
+    _check_distinct_physical_axes(parsed)
     in_names = {n for t in parsed.inputs for n in t.names}
     contracted = in_names - set(parsed.output.names)
     out_vmap, out_mesh = _resolve_term_names(parsed, parsed.output, contracted)

@@ -280,3 +280,17 @@ def test_names_sharing_a_loop_cooccur_in_the_body():
     with serial_loop("l", 2):
         with _raises(r"'a' and 'b' are both mapped to the resource l, .*varies along both"):
             f(U, V)
+
+
+def test_einsum_over_two_names_sharing_a_mesh_axis_is_refused():
+    # Each device holds chunk i of both 'a' and 'b': the cross terms are missing.
+    mesh = jax.make_mesh((8,), ("x",))
+    u, v = np.arange(8, dtype=np.float32), np.arange(16, dtype=np.float32)
+    f = nx.xmap(lambda p, q: nx.einsum("{a},{b}->", p, q), [["a"], ["b"]], [],
+                axis_resources={"a": "x", "b": "x"})
+    with jax.set_mesh(mesh), pytest.raises(nx.NxopsError, match="'a' and 'b' are both carried by axis 'x'"):
+        f(u, v)
+    g = nx.xmap(lambda p, q: nx.einsum("{a},{b}->", p, q), [["a"], ["b"]], [],
+                axis_resources={"a": "x"})
+    with jax.set_mesh(mesh):
+        np.testing.assert_allclose(g(u, v), u.sum() * v.sum())
