@@ -53,6 +53,11 @@ def current_logical_axes() -> dict[str, LogicalAxis]:
     return dict(_LOGICAL_AXES.get())
 
 
+def current_logical_axes_map() -> dict[str, LogicalAxis]:
+    """The bound logical names, uncopied: a new object whenever they change."""
+    return _LOGICAL_AXES.get()
+
+
 def as_name_tuple(axis_name) -> tuple:
     return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
 

@@ -12,7 +12,7 @@ from jax._src.array import ArrayImpl as _ArrayImpl
 from jax.sharding import Mesh, NamedSharding
 
 from nxops._errors import NxopsError
-from nxops.ops._axis_env import current_logical_axes, logical_axes
+from nxops.ops._axis_env import current_logical_axes, current_logical_axes_map, logical_axes
 from nxops.xmap._plan import (Plan, check_shared_resources, mesh_in_scope,
                               normalize_axis_resources, plan_axis_resources)
 from nxops.xmap._program import build_program
@@ -76,6 +76,7 @@ class XmapFunction:
                                 else tuple(donate_argnums))
         self._backend = backend
         self._by_context: dict[tuple, Any] = {}
+        self._last_context: tuple | None = None
         functools.update_wrapper(self, fun)
 
     def __repr__(self) -> str:
@@ -104,12 +105,21 @@ class XmapFunction:
     def _jitted(self):
         # jax.jit caches traces and executables per argument shapes, dtypes and
         # shardings, and the plan is made while tracing: a repeated call costs
-        # a jit call plus this lookup (no re-parsing, no re-planning).
+        # a jit call plus this lookup (no re-parsing, no re-planning). The
+        # lookup itself is skipped while the context objects are the same ones.
+        mesh, legacy_mesh, loops, names = probe = _context_probe()
+        last = self._last_context
+        if last is not None:
+            (last_mesh, last_legacy, last_loops, last_names), jitted = last
+            if (mesh is last_mesh and legacy_mesh is last_legacy and loops is last_loops
+                    and names is last_names):
+                return jitted
         env = current_logical_axes()
         key = (mesh_in_scope(), loops_in_scope(), tuple(env.items()) if env else ())
         jitted = self._by_context.get(key)
         if jitted is None:
             jitted = self._by_context[key] = self._make_jitted(key[0])
+        self._last_context = (probe, jitted)
         return jitted
 
     def _make_jitted(self, mesh: Mesh | None):
@@ -192,6 +202,13 @@ class _UnderMesh:
     def lower(self, *args):
         with jax.set_mesh(self._mesh):
             return self._jitted.lower(*args)
+
+
+def _context_probe() -> tuple:
+    """The objects that make up a call's context (mesh, legacy mesh, loops,
+    enclosing names); unchanged identities mean an unchanged context."""
+    return (_mesh_lib.get_concrete_mesh(), _mesh_lib.thread_resources.env.physical_mesh,
+            loops_in_scope(), current_logical_axes_map())
 
 
 def _concrete_mesh_unset() -> bool:
