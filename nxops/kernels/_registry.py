@@ -241,6 +241,11 @@ def choose(op: str, platform: str, selection: Selection, avals: Sequence[Any],
     says the op is lowered where XLA partitions some mesh axes automatically.
     """
     requested = selection.backend_for(op)
+    if any(getattr(aval, "size", 1) == 0 for aval in avals):
+        # Nothing to compute: any selection takes the reference, which returns
+        # the empty (or identity-filled) result without launching a kernel.
+        return Choice(_KERNELS[(op, "xla")], requested,
+                      ((requested, ("zero-size operands: nothing for a kernel to do",)),))
     if requested == "auto":
         passed_over = []
         for backend in auto_preference(op, platform):
