@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 import nxops as nx
+from jax.sharding import PartitionSpec as P
+
 from nxops.kernels import _registry
 
 
@@ -176,3 +178,15 @@ def test_zero_size_operands_need_no_kernel(selection):
                                                 np.ones((0, 2), np.float32)), np.zeros((2, 2)))
         report = nx.kernels.explain(lambda x: nx.sum(x, 0), np.ones((0, 3), np.float32))
     assert report.backends() == {"reduce": {"xla"}} and "zero-size" in str(report)
+
+
+def test_explain_for_another_platform_covers_collectives():
+    mesh = jax.make_mesh((8,), ("x",))
+    fn = jax.jit(jax.shard_map(lambda v: nx.untile(v, {"x": 0}), mesh=mesh,
+                               in_specs=P("x"), out_specs=P()))
+    x = jax.device_put(np.ones((16, 4), np.float32), jax.NamedSharding(mesh, P("x")))
+    with jax.set_mesh(mesh):
+        assert nx.kernels.explain(fn, x).backends() == {"all_gather": {"xla"}}
+        with nx.kernels.use("collective=pallas"):
+            report = nx.kernels.explain(fn, x, platform="tpu")
+    assert report.platform == "tpu" and report.backends() == {"all_gather": {"pallas"}}

@@ -43,7 +43,7 @@ def explain(fn: Callable[..., Any], *args: Any, platform: str | None = None,
     ``"tpu"`` shows what would run there. Nothing is executed.
     """
     platform = platform or jax.default_backend()
-    with _registry.collect_reports() as reports:
+    with _registry.collect_reports(platform) as reports:
         closed = jax.make_jaxpr(fn)(*args, **kwargs)
         # A fresh function object, so that no cached lowering skips the rules.
         fresh = jax.jit(lambda *flat: jex_core.jaxpr_as_fun(closed)(*flat))

@@ -12,6 +12,7 @@ trace context, so switching it recompiles instead of reusing a stale program.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import itertools
@@ -314,13 +315,27 @@ def report(op: str, choice: Choice, avals: Sequence[Any], params: dict, /) -> No
         collector.append(Report(op, operands, choice))
 
 
+# The platform a program is being traced for, when not the devices' own (set
+# by `explain(..., platform=...)`): ops that choose kernels at trace time
+# (collectives) choose for it.
+_TARGET_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "nxops_target_platform", default=None)
+
+
+def target_platform() -> str | None:
+    return _TARGET_PLATFORM.get()
+
+
 @contextlib.contextmanager
-def collect_reports() -> Iterator[list[Report]]:
-    """Records every kernel choice made while the block traces or lowers."""
+def collect_reports(platform: str | None = None) -> Iterator[list[Report]]:
+    """Records every kernel choice made while the block traces or lowers
+    (for ``platform``, when given)."""
     reports: list[Report] = []
     _collectors.append(reports)
+    token = _TARGET_PLATFORM.set(platform)
     try:
         with _COLLECTION_EPOCH(next(_epochs)):
             yield reports
     finally:
+        _TARGET_PLATFORM.reset(token)
         _collectors.remove(reports)

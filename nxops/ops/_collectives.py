@@ -40,7 +40,10 @@ def _physical(axis_name, op: str, *, allow_loop=False):
 
 def _mesh_platform() -> str:
     """Lowering platform (cpu, cuda, rocm, tpu) of the devices the collective
-    runs on: the concrete mesh's where one is set, else the default devices'."""
+    runs on: the one `explain` traces for, else the concrete mesh's devices',
+    else the default devices'."""
+    if _registry.target_platform() is not None:
+        return _registry.target_platform()
     from jax._src import mesh as _mesh
     devices = getattr(_mesh.get_concrete_mesh(), "devices", None)
     first = devices.flat[0] if devices is not None and devices.size else None
