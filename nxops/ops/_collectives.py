@@ -53,17 +53,20 @@ def _mesh_platform() -> str:
     return device.platform
 
 
-def _mesh_kernel(op: str, x, **params):
+def _mesh_collective(op: str, x, mesh_names: tuple[str, ...], **params):
+    """Runs collective ``op`` over ``mesh_names`` in the kernel the registry
+    picks for this mesh's platform (one collective over all the names)."""
     platform = _mesh_platform()
-    choice = _registry.choose(op, platform, _registry.current_selection(), (jax.typeof(x),), **params)
-    _registry.report(op, choice, (jax.typeof(x),), params)
-    return choice.kernel.fn
-
-
-def _ensure_varying(x, mesh_names):
-    """Collectives over mesh axes take values that vary over them (check_vma)."""
-    invariant = tuple(n for n in mesh_names if n not in jax.typeof(x).manual_axis_type.varying)
-    return lax.pcast(x, invariant, to="varying") if invariant else x
+    axis_name = mesh_names if len(mesh_names) > 1 else mesh_names[0]
+    aval = jax.typeof(x)
+    choice = _registry.choose(op, platform, _registry.current_selection(), (aval,),
+                              axis_name=axis_name, **params)
+    _registry.report(op, choice, (aval,), params)
+    # Collectives over mesh axes take values that vary over them (check_vma).
+    invariant = tuple(n for n in mesh_names if n not in aval.manual_axis_type.varying)
+    if invariant:
+        x = lax.pcast(x, invariant, to="varying")
+    return choice.kernel.fn(x, axis_name, platform=platform, **params)
 
 
 # --- the vmap part: layout changes along a vmapped name ------------------------
@@ -72,7 +75,6 @@ def _ensure_varying(x, mesh_names):
 # are reshapes, which this primitive's batching rule does directly.
 
 named_layout_p = Primitive("nx_named_layout")
-_LAYOUT_KINDS = ("gather", "scatter", "tile")
 
 
 def _layout_shape(shape, kind, dim, size):
@@ -166,9 +168,7 @@ def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False):
     if vmap_names:  # minor names first: a local gather (a reshape after batching)
         x = _along_vmap_names(x, "gather", vmap_names, axis)
     if mesh_names:
-        mesh_axis = mesh_names if len(mesh_names) > 1 else mesh_names[0]
-        fn = _mesh_kernel("all_gather", x, axis_name=mesh_axis, axis=axis, tiled=True)
-        x = fn(_ensure_varying(x, mesh_names), mesh_axis, axis=axis, tiled=True, platform=_mesh_platform())
+        x = _mesh_collective("all_gather", x, mesh_names, axis=axis, tiled=True)
     return x
 
 
@@ -194,10 +194,7 @@ def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fals
     if not vmap_names and not mesh_names:
         return lax.psum_scatter(x, physical, scatter_dimension=dim, tiled=tiled)
     if mesh_names:  # major names first: one reduce-scatter over the mesh
-        mesh_axis = mesh_names if len(mesh_names) > 1 else mesh_names[0]
-        fn = _mesh_kernel("reduce_scatter", x, axis_name=mesh_axis, scatter_dimension=dim, tiled=True)
-        x = fn(_ensure_varying(x, mesh_names), mesh_axis, scatter_dimension=dim, tiled=True,
-               platform=_mesh_platform())
+        x = _mesh_collective("reduce_scatter", x, mesh_names, scatter_dimension=dim, tiled=True)
     if vmap_names:
         x = _along_vmap_names(x, "scatter", vmap_names, dim)
     return x if tiled else jnp.squeeze(x, dim)
