@@ -12,12 +12,12 @@ import pytest
 
 from nxops._errors import NxopsError
 from nxops.kernels import _registry
-from nxops.kernels.pallas import reduce as pallas_reduce
+from nxops.kernels.pallas import _common, reduce as pallas_reduce
 from nxops.kernels.xla import reduce as xla_reduce
 from tests.kernels._tolerances import FLOAT_DTYPES, assert_close, small_blocks
 
 OPS = xla_reduce.REDUCE_OPS
-STYLES = ("triton", "mosaic")
+STYLES = _common.STYLES
 
 # (shape, axes): 1xn and nx1, odd sizes, several blocks in every dim with the
 # small test blocks, column (inner > 1) and non-contiguous (transposed) axes,

@@ -114,6 +114,20 @@ def _lse_finish(m, s):
     return jnp.log(s) + _finite_or_zero(m)
 
 
+def _accumulate_triton(load, n_steps: int, op: str, block: tuple[int, int], axis: int):
+    """Loops ``load(j)`` over the reduced dim inside a Triton kernel (no scratch
+    memory there), accumulating in f32; the result keeps ``axis`` as size 1."""
+    if op == "logsumexp":
+        stat_shape = tuple(1 if a == axis else n for a, n in enumerate(block))
+        init = (jnp.full(stat_shape, -jnp.inf, F32), jnp.zeros(stat_shape, F32))
+        return _lse_finish(*lax.fori_loop(
+            0, n_steps, lambda j, carry: _lse_update(*carry, load(j), axis, "triton"), init))
+    monoid = _MONOIDS[op]
+    acc = lax.fori_loop(0, n_steps, lambda j, acc: monoid.combine(acc, load(j)),
+                        jnp.full(block, monoid.identity, F32))
+    return _reduce_block(acc, axis, op, "triton")
+
+
 # ---------------------------------------------------------------------------
 # Row reduction [outer, reduced] -> [outer]
 
@@ -130,17 +144,7 @@ def _row_kernel_triton(x_ref, o_ref, *, op: str, bo: int, br: int):
         block = x_ref.at[pl.ds(i * bo, bo), pl.ds(j * br, br)]
         return plgpu.load(block, mask=mask, other=identity).astype(F32)
 
-    n_steps = pl.cdiv(n_reduced, br)
-    if op == "logsumexp":
-        def step(j, carry):
-            return _lse_update(*carry, load(j), 1, "triton")
-        init = (jnp.full((bo, 1), -jnp.inf, F32), jnp.zeros((bo, 1), F32))
-        result = _lse_finish(*lax.fori_loop(0, n_steps, step, init))
-    else:
-        combine = _MONOIDS[op].combine
-        acc = lax.fori_loop(0, n_steps, lambda j, acc: combine(acc, load(j)),
-                            jnp.full((bo, br), identity, F32))
-        result = _reduce_block(acc, 1, op, "triton")
+    result = _accumulate_triton(load, pl.cdiv(n_reduced, br), op, (bo, br), axis=1)
     out_rows = i * bo + jnp.arange(bo)
     plgpu.store(o_ref.at[pl.ds(i * bo, bo)], result[:, 0].astype(o_ref.dtype),
                 mask=out_rows < n_outer)
@@ -250,16 +254,7 @@ def _column_kernel_triton(x_ref, o_ref, *, op: str, br: int, bi: int):
         return plgpu.load(block, mask=(rows < n_reduced) & (cols < n_inner),
                           other=identity).astype(F32)
 
-    n_steps = pl.cdiv(n_reduced, br)
-    if op == "logsumexp":
-        init = (jnp.full((1, bi), -jnp.inf, F32), jnp.zeros((1, bi), F32))
-        result = _lse_finish(*lax.fori_loop(
-            0, n_steps, lambda j, carry: _lse_update(*carry, load(j), 0, "triton"), init))
-    else:
-        combine = _MONOIDS[op].combine
-        acc = lax.fori_loop(0, n_steps, lambda j, acc: combine(acc, load(j)),
-                            jnp.full((br, bi), identity, F32))
-        result = _reduce_block(acc, 0, op, "triton")
+    result = _accumulate_triton(load, pl.cdiv(n_reduced, br), op, (br, bi), axis=0)
     out_cols = k * bi + jnp.arange(bi)
     plgpu.store(o_ref.at[o, pl.ds(k * bi, bi)], result[0].astype(o_ref.dtype),
                 mask=out_cols < n_inner)

@@ -29,12 +29,6 @@ def reduce(x: jax.Array, *, axes: tuple[int, ...], op: str, platform: str = "cpu
     return _JNP_REDUCERS[op](x, axis=axes)
 
 
-def reduce_dtype(dtype, op: str):
-    """The result dtype of ``reduce(x, op=op)`` for an input of ``dtype``."""
-    return jax.eval_shape(lambda x: reduce(x, axes=(0,), op=op),
-                          jax.ShapeDtypeStruct((1,), dtype)).dtype
-
-
 KERNEL = register(Kernel(
     op="reduce", backend="xla", platforms=("cpu", "cuda", "rocm", "tpu"), fn=reduce,
     description="jnp reductions (XLA reduce)",
