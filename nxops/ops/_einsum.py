@@ -155,29 +155,34 @@ def _contraction_order(operands: list[_Operand]) -> list[tuple[int, int]]:
     return [tuple(p) for p in path]
 
 
-def _resolve_term_names(spec: EinsumSpec, term: Term, contracted: set[str]):
-    vmap_names, mesh_names = [], []
-    for name in term.names:
-        physical = _axis_env.resolve((name,), op=f"nx.einsum {spec.text!r}",
-                                     allow_loop=name not in contracted)
-        v, m = _axis_env.split_vmap_and_mesh(physical, op=f"nx.einsum {spec.text!r}")
-        vmap_names += v
-        mesh_names += m
-    return tuple(vmap_names), tuple(mesh_names)
+def _resolve_names(spec: EinsumSpec) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
+    """Each logical name of the spec -> (its vmap names, its mesh names), once.
 
-
-def _check_distinct_physical_axes(spec: EinsumSpec) -> None:
-    """Two logical names carried by one physical axis cannot be told apart on
-    a device (each holds only matching chunks of both): refuse the spec."""
-    owner: dict[str, str] = {}
+    Contracted names may not be looped (a loop step sees one chunk), and two
+    names carried by one physical axis are refused: no device holds the pairs
+    of positions the spec combines, only matching chunks of both.
+    """
+    op = f"nx.einsum {spec.text!r}"
+    contracted = {n for t in spec.inputs for n in t.names} - set(spec.output.names)
+    resolved, owner = {}, {}
     for name in dict.fromkeys(n for t in (*spec.inputs, spec.output) for n in t.names):
-        for axis in _axis_env.resolve((name,), op=f"nx.einsum {spec.text!r}", allow_loop=True):
+        physical = _axis_env.resolve((name,), op=op, allow_loop=name not in contracted)
+        for axis in physical:
             other = owner.setdefault(axis, name)
             if other != name:
                 raise NxopsError(
-                    f"nx.einsum {spec.text!r}: names {other!r} and {name!r} are both carried by "
-                    f"axis {axis!r}, so no device holds the pairs of positions the spec "
-                    f"combines. Map one of them to other mesh axes (or none) in axis_resources.")
+                    f"{op}: names {other!r} and {name!r} are both carried by axis {axis!r}, so "
+                    f"no device holds the pairs of positions the spec combines. Map one of "
+                    f"them to other mesh axes (or none) in axis_resources.")
+        resolved[name] = _axis_env.split_vmap_and_mesh(physical, op=op)
+    return resolved
+
+
+def _term_axes(term: Term, resolved) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(vmap names, mesh names) that carry the term's logical names."""
+    vmap_names = tuple(v for n in term.names for v in resolved[n][0])
+    mesh_names = tuple(m for n in term.names for m in resolved[n][1])
+    return vmap_names, mesh_names
 
 
 def einsum(spec: str, *operands, precision=None, preferred_element_type=None):
@@ -198,14 +203,12 @@ def einsum(spec: str, *operands, precision=None, preferred_element_type=None):
     operands = [jnp.asarray(x, dtype) for x in operands]
     labels_per_operand, out_labels, operands = _expand_ellipsis(parsed, operands)
     _check_sizes(parsed, operands, labels_per_operand)
-    _check_distinct_physical_axes(parsed)
-    in_names = {n for t in parsed.inputs for n in t.names}
-    contracted = in_names - set(parsed.output.names)
-    out_vmap, out_mesh = _resolve_term_names(parsed, parsed.output, contracted)
+    resolved = _resolve_names(parsed)
+    out_vmap, out_mesh = _term_axes(parsed.output, resolved)
     kernels = selection_param()
     work, all_mesh = [], set()
     for term, x, labels in zip(parsed.inputs, operands, labels_per_operand):
-        vmap_names, mesh_names = _resolve_term_names(parsed, term, contracted)
+        vmap_names, mesh_names = _term_axes(term, resolved)
         all_mesh.update(mesh_names)
         work.append(_take_diagonals(_Operand(x, labels, vmap_names)))
     needed_at_end = set(out_labels) | set(out_vmap)

@@ -11,7 +11,7 @@ then reduced by one XLA collective over all of them.
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+import math
 
 import jax
 import jax.numpy as jnp
@@ -171,39 +171,38 @@ def _mesh_prod(y, mesh_names):
     return jnp.prod(gathered, axis=0)
 
 
-def reduce(x, axis, op: str, *, public_name: str | None = None):
-    """Reduces ``x`` with ``op`` over ``axis`` (ints, names, or a tuple of both)."""
-    name = public_name or op
-    x = jnp.asarray(x)
+def _resolve_axes(x, axis, name: str):
+    """(positional axes, vmap names, mesh names) of ``axis`` for ``nx.<name>``."""
     positional, logical = _split_axis_argument(x, axis, op=name)
     physical = _axis_env.resolve(logical, op=f"nx.{name}")
     _axis_env.check_no_duplicates(physical, op=f"nx.{name}", what="physical axes")
-    vmap_names, mesh_names = _axis_env.split_vmap_and_mesh(physical, op=f"nx.{name}")
+    return (positional, *_axis_env.split_vmap_and_mesh(physical, op=f"nx.{name}"))
+
+
+def _reduce_resolved(x, positional, vmap_names, mesh_names, op: str):
+    """The local reduction (one primitive, a kernel after batching), then one
+    collective over the mesh names."""
     y = x
     if positional or vmap_names:
         y = bind_reduce(y, axes=positional, op=op, axis_names=vmap_names,
-                         kernels=selection_param())
+                        kernels=selection_param())
     elif op == "logsumexp" and not jnp.issubdtype(y.dtype, jnp.inexact):
         y = y.astype(jnp.result_type(float))
-    if mesh_names:
-        if op == "sum":
-            y = _fusion.remember_mesh_sum(lax.psum(y, mesh_names), y, mesh_names)
-        elif op in _MESH_REDUCERS:
-            y = _MESH_REDUCERS[op](y, mesh_names)
-        elif op == "logsumexp":
-            y = _mesh_logsumexp(y, mesh_names)
-        else:
-            y = _mesh_prod(y, mesh_names)
-    return y
+    if not mesh_names:
+        return y
+    if op == "sum":
+        return _fusion.remember_mesh_sum(lax.psum(y, mesh_names), y, mesh_names)
+    if op in _MESH_REDUCERS:
+        return _MESH_REDUCERS[op](y, mesh_names)
+    if op == "logsumexp":
+        return _mesh_logsumexp(y, mesh_names)
+    return _mesh_prod(y, mesh_names)
 
 
-def _reduced_count(x, positional: Sequence[int], physical: Sequence[str]) -> int:
-    count = 1
-    for a in positional:
-        count *= jnp.shape(x)[a]
-    for n in physical:
-        count *= lax.axis_size(n)
-    return count
+def reduce(x, axis, op: str, *, public_name: str | None = None):
+    """Reduces ``x`` with ``op`` over ``axis`` (ints, names, or a tuple of both)."""
+    x = jnp.asarray(x)
+    return _reduce_resolved(x, *_resolve_axes(x, axis, public_name or op), op)
 
 
 def sum(x, axis):  # noqa: A001 - mirrors jnp.sum
@@ -236,10 +235,11 @@ def mean(x, axis):
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.inexact):
         x = x.astype(jnp.result_type(float))
-    positional, logical = _split_axis_argument(x, axis, op="mean")
-    physical = _axis_env.resolve(logical, op="nx.mean")
-    total = reduce(x, axis, "sum", public_name="mean")
-    return total / jnp.asarray(_reduced_count(x, positional, physical), total.dtype)
+    positional, vmap_names, mesh_names = _resolve_axes(x, axis, "mean")
+    total = _reduce_resolved(x, positional, vmap_names, mesh_names, "sum")
+    count = math.prod(x.shape[a] for a in positional)
+    count *= math.prod(lax.axis_size(n) for n in vmap_names + mesh_names)
+    return total / jnp.asarray(count, total.dtype)
 
 
 def _names_only(axis_name, op: str):
