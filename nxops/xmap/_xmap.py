@@ -109,13 +109,12 @@ class XmapFunction:
         # lookup itself is skipped while the context objects are the same ones.
         mesh, legacy_mesh, loops, names = probe = _context_probe()
         last = self._last_context
-        if last is not None:
+        if last is not None:  # (an explicit `is` chain: a generator costs ~0.8 us here)
             (last_mesh, last_legacy, last_loops, last_names), jitted = last
             if (mesh is last_mesh and legacy_mesh is last_legacy and loops is last_loops
                     and names is last_names):
                 return jitted
-        env = current_logical_axes()
-        key = (mesh_in_scope(), loops_in_scope(), tuple(env.items()) if env else ())
+        key = (mesh_in_scope(), loops, tuple(names.items()))
         jitted = self._by_context.get(key)
         if jitted is None:
             jitted = self._by_context[key] = self._make_jitted(key[0])
