@@ -26,16 +26,59 @@ from nxops._errors import NxopsError
 
 @dataclasses.dataclass(frozen=True)
 class LogicalAxis:
-    """How one logical name is carried: ``physical`` names, major to minor;
-    ``loop`` is the serial-loop resource, if any (collectives over a looped
-    axis are not allowed: each loop step only sees one chunk)."""
+    """How one logical name is carried: ``physical`` names, major to minor
+    (mesh axes, then the local vmap tile last), and ``loops``: the serial-loop
+    resources (objects with ``.name`` and ``.length``) whose steps sit between
+    the mesh axes and the tile. Position queries see the loops (a position is
+    global); collectives over a looped axis are not allowed, since each loop
+    step only sees one chunk."""
 
     physical: tuple[str, ...]
-    loop: str | None = None
+    loops: tuple = ()
 
 
 _LOGICAL_AXES: contextvars.ContextVar[dict[str, LogicalAxis]] = contextvars.ContextVar(
     "nxops_logical_axes", default={})
+# The current step (a traced int) of each serial loop whose body is being traced.
+_LOOP_STEPS: contextvars.ContextVar[dict] = contextvars.ContextVar("nxops_loop_steps", default={})
+
+
+@contextlib.contextmanager
+def loop_step(loop, step) -> Iterator[None]:
+    """Binds the step index of ``loop`` while one step of its scan is traced."""
+    token = _LOOP_STEPS.set({**_LOOP_STEPS.get(), loop: step})
+    try:
+        yield
+    finally:
+        _LOOP_STEPS.reset(token)
+
+
+@dataclasses.dataclass(frozen=True)
+class PositionPart:
+    """One factor of a named position, major to minor: a physical axis
+    (``index`` None: ask ``lax.axis_index``) or a loop's traced step."""
+
+    size: int
+    physical: str | None = None
+    index: object = None
+
+
+def position_parts(names: Sequence, *, op: str) -> list[PositionPart]:
+    """The factors of the position along logical ``names``, major to minor:
+    for each name its mesh axes, then its loops' steps, then its vmap tile."""
+    logical = _LOGICAL_AXES.get()
+    parts: list[PositionPart] = []
+    for name in names:
+        axis = logical.get(name, LogicalAxis(physical=(name,)))
+        physical = [PositionPart(physical_axis_size(n), physical=n) for n in axis.physical]
+        steps = _LOOP_STEPS.get()
+        for loop in axis.loops:
+            if loop not in steps:
+                raise NxopsError(f"{op}: named axis {name!r} runs on the serial loop "
+                                 f"{loop.name!r}, which is not being traced here.")
+        loops = [PositionPart(loop.length, index=steps[loop]) for loop in axis.loops]
+        parts += physical[:-1] + loops + physical[-1:] if loops else physical
+    return parts
 
 
 @contextlib.contextmanager
@@ -71,11 +114,11 @@ def resolve(names: Sequence, *, op: str, allow_loop: bool = False) -> tuple[str,
         if axis is None:
             physical.append(name)
             continue
-        if axis.loop is not None and not allow_loop:
+        if axis.loops and not allow_loop:
             raise NxopsError(
                 f"{op} over named axis {name!r}, which nx.xmap maps to the serial loop "
-                f"{axis.loop!r}: each loop step sees one chunk, so {op} across the loop "
-                f"is not possible. Map {name!r} to mesh axes (or nothing) in axis_resources.")
+                f"{axis.loops[0].name!r}: each loop step sees one chunk, so {op} across the "
+                f"loop is not possible. Map {name!r} to mesh axes (or nothing) in axis_resources.")
         physical.extend(axis.physical)
     return tuple(physical)
 

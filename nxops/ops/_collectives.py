@@ -10,10 +10,13 @@ registry picks when the op is traced (from the mesh's platform).
 """
 from __future__ import annotations
 
+import math
+
 from typing import Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
@@ -53,6 +56,14 @@ def _mesh_platform() -> str:
     return device.platform
 
 
+def _auto_partitioned_axes_here() -> bool:
+    """Whether XLA partitions some mesh axes of size > 1 automatically here
+    (a shard_map over only some axes of an Auto mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return any(size > 1 and name not in mesh.manual_axes
+               for name, size in zip(mesh.axis_names, mesh.axis_sizes))
+
+
 def _mesh_collective(op: str, x, mesh_names: tuple[str, ...], **params):
     """Runs collective ``op`` over ``mesh_names`` in the kernel the registry
     picks for this mesh's platform (one collective over all the names)."""
@@ -60,7 +71,7 @@ def _mesh_collective(op: str, x, mesh_names: tuple[str, ...], **params):
     axis_name = mesh_names if len(mesh_names) > 1 else mesh_names[0]
     aval = jax.typeof(x)
     choice = _registry.choose(op, platform, _registry.current_selection(), (aval,),
-                              axis_name=axis_name, **params)
+                              _auto_partitioned_axes_here(), axis_name=axis_name, **params)
     _registry.report(op, choice, (aval,), params)
     # Collectives over mesh axes take values that vary over them (check_vma).
     invariant = tuple(n for n in mesh_names if n not in aval.manual_axis_type.varying)
@@ -103,8 +114,8 @@ def _layout_batcher(axis_data, vals_in, dims_in, *, kind, name, dim, size):
     if kind == "gather":  # varying along the name -> replicated, concatenated along dim
         if d is None:
             return jnp.concatenate([x] * size, axis=dim), None
-        x = jnp.moveaxis(x, d, dim)
-        return x.reshape(x.shape[:dim] + (-1,) + x.shape[dim + 2:]), None
+        x = jnp.moveaxis(x, d, dim)   # explicit sizes: -1 is ambiguous for empty arrays
+        return x.reshape(x.shape[:dim] + (x.shape[dim] * x.shape[dim + 1],) + x.shape[dim + 2:]), None
     if kind == "scatter":  # summed over the name, then tile number i to position i
         x = x * size if d is None else jnp.sum(x, axis=d)
         return _split_dim(x, dim, size), dim
@@ -160,7 +171,15 @@ def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False):
         raise NxopsError(f"nx.all_gather: axis {axis} is out of range for a result of rank {rank} "
                          f"(x has shape {x.shape}, tiled={tiled}).")
     axis %= rank
+    names = _axis_env.as_name_tuple(axis_name)
     physical, vmap_names, mesh_names = _physical(axis_name, "all_gather")
+    if not vmap_names and not mesh_names and len(names) > 1:
+        # Names whose physical axes interleave mesh and tile: gather the minor
+        # name first, so positions come out major to minor.
+        x = x if tiled else jnp.expand_dims(x, axis)
+        for name in reversed(names):
+            x = all_gather(x, name, axis=axis, tiled=True)
+        return x
     if not vmap_names and not mesh_names:
         return lax.all_gather(x, physical, axis=axis, tiled=tiled)
     if not tiled:
@@ -201,49 +220,115 @@ def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fals
 
 
 def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, tiled: bool = False):
-    """``lax.all_to_all`` over named ``axis_name`` (one all-to-all over mesh axes)."""
-    physical, _, _ = _physical(axis_name, "all_to_all")
-    axis = physical if len(physical) > 1 else physical[0]
-    return lax.all_to_all(x, axis, split_axis, concat_axis, tiled=tiled)
+    """``lax.all_to_all`` over named ``axis_name`` (one all-to-all over mesh
+    axes). Negative axes count from the end, as in ``lax``."""
+    x = jnp.asarray(x)
+    size = axis_size(axis_name)
+    split_axis, concat_axis = _check_all_to_all(x, axis_name, size, split_axis, concat_axis, tiled)
+    physical, vmap_names, mesh_names = _physical(axis_name, "all_to_all")
+    if vmap_names and mesh_names:   # a name on devices and a local tile: positionally
+        return _via_gather(x, axis_name, lambda xs: lax.all_to_all(
+            xs, _POSITIONS, split_axis, concat_axis, tiled=tiled))
+    return lax.all_to_all(x, _one_or_tuple(physical), split_axis, concat_axis, tiled=tiled)
+
+
+def _check_all_to_all(x, axis_name, size, split_axis, concat_axis, tiled):
+    for what, axis in (("split_axis", split_axis), ("concat_axis", concat_axis)):
+        if not isinstance(axis, int) or not -x.ndim <= axis < x.ndim:
+            raise NxopsError(f"nx.all_to_all: {what}={axis!r} is not a dim of x with shape "
+                             f"{x.shape}; use an int in [{-x.ndim}, {x.ndim}).")
+    split_axis, concat_axis = split_axis % x.ndim, concat_axis % x.ndim
+    length = x.shape[split_axis]
+    if (length % size if tiled else length != size):
+        need = f"a multiple of {size}" if tiled else f"exactly {size}"
+        raise NxopsError(f"nx.all_to_all: dim {split_axis} of x (shape {x.shape}) has size {length}; "
+                         f"with tiled={tiled} it must be {need}, the size of {axis_name!r}.")
+    return split_axis, concat_axis
+
+
+_POSITIONS = "nxops#positions"
+
+
+def _via_gather(x, axis_name, positional_op):
+    """A collective computed positionally: gather every position's ``x``, apply
+    ``positional_op`` under a vmap over all positions, keep this position's
+    result. Exact for any placement (used where XLA has no collective for the
+    mix of mesh axes and a local tile), at the cost of an all-gather."""
+    everyone = all_gather(x, axis_name, axis=0, tiled=False)
+    results = jax.vmap(positional_op, axis_name=_POSITIONS)(everyone)
+    return results[axis_index(axis_name)]
+
+
+def _one_or_tuple(names: tuple):
+    return names if len(names) > 1 else names[0]
 
 
 def ppermute(x, axis_name, perm):
     """``lax.ppermute`` over named ``axis_name``: ``perm`` pairs (source, destination)
-    positions along the (logical) axis."""
-    physical, _, _ = _physical(axis_name, "ppermute")
+    positions along the (logical) axis; positions no pair sends to get zeros."""
+    x = jnp.asarray(x)
     size = axis_size(axis_name)
-    perm = [tuple(p) for p in perm]
+    perm = _check_perm(perm, axis_name, size)
+    physical, vmap_names, mesh_names = _physical(axis_name, "ppermute")
+    if mesh_names and not vmap_names:   # lax.ppermute on devices zero-fills partial perms
+        return lax.ppermute(x, _one_or_tuple(physical), perm)
+    if len(perm) == size and not mesh_names:   # a full permutation of a vmapped name
+        return lax.ppermute(x, _one_or_tuple(physical), perm)
+    source = np.full(size, -1, np.int32)
     for src, dst in perm:
+        source[dst] = src
+    mine = jnp.asarray(source)[axis_index(axis_name)]
+    everyone = all_gather(x, axis_name, axis=0, tiled=False)
+    received = lax.dynamic_index_in_dim(everyone, jnp.maximum(mine, 0), 0, keepdims=False)
+    return jnp.where(mine >= 0, received, jnp.zeros_like(received))
+
+
+def _check_perm(perm, axis_name, size) -> list[tuple[int, int]]:
+    try:
+        pairs = [tuple(p) for p in perm]
+        ok = all(len(p) == 2 and all(isinstance(i, (int, np.integer)) for i in p) for p in pairs)
+    except TypeError:
+        ok = False
+    if not ok:
+        raise NxopsError(f"nx.ppermute: perm={perm!r} must be a list of (source, destination) "
+                         f"position pairs, e.g. [(0, 1), (1, 0)].")
+    pairs = [(int(s), int(d)) for s, d in pairs]
+    for src, dst in pairs:
         if not (0 <= src < size and 0 <= dst < size):
             raise NxopsError(f"nx.ppermute: pair {(src, dst)} of perm is out of range for "
                              f"{axis_name!r} of size {size}.")
     for which, idx in (("source", 0), ("destination", 1)):
-        vals = [p[idx] for p in perm]
+        vals = [p[idx] for p in pairs]
         if len(set(vals)) != len(vals):
-            raise NxopsError(f"nx.ppermute: perm {perm} repeats a {which}; each position may "
+            raise NxopsError(f"nx.ppermute: perm {pairs} repeats a {which}; each position may "
                              f"send and receive at most once.")
-    axis = physical if len(physical) > 1 else physical[0]
-    return lax.ppermute(x, axis, perm)
+    return pairs
+
+
+def _position_parts(axis_name, op: str):
+    names = _axis_env.as_name_tuple(axis_name)
+    physical = _axis_env.resolve(names, op=op, allow_loop=True)
+    _axis_env.split_vmap_and_mesh(physical, op=op)   # every physical name is bound here
+    return _axis_env.position_parts(names, op=op)
 
 
 def axis_index(axis_name):
-    """This position along named ``axis_name`` (logical names combine their
-    physical axes major to minor)."""
-    physical = _axis_env.resolve(_axis_env.as_name_tuple(axis_name), op="nx.axis_index",
-                                 allow_loop=True)
-    _axis_env.split_vmap_and_mesh(physical, op="nx.axis_index")
-    return lax.axis_index(physical if len(physical) > 1 else physical[0])
+    """This position along named ``axis_name``: global, whatever carries it
+    (mesh axes, serial loops, the vmap tile; names in a tuple major to minor)."""
+    parts = _position_parts(axis_name, "nx.axis_index")
+    if all(p.index is None for p in parts):   # physical axes only: one lax.axis_index
+        names = tuple(p.physical for p in parts)
+        return lax.axis_index(names if len(names) > 1 else names[0])
+    index = jnp.int32(0)
+    for part in parts:
+        here = lax.axis_index(part.physical) if part.index is None else part.index
+        index = index * part.size + here.astype(jnp.int32)
+    return index
 
 
 def axis_size(axis_name) -> int:
-    """The size of named ``axis_name`` (a static int)."""
-    physical = _axis_env.resolve(_axis_env.as_name_tuple(axis_name), op="nx.axis_size",
-                                 allow_loop=True)
-    _axis_env.split_vmap_and_mesh(physical, op="nx.axis_size")
-    size = 1
-    for n in physical:
-        size *= _axis_env.physical_axis_size(n)
-    return size
+    """The size of named ``axis_name`` (a static int, loops included)."""
+    return math.prod(p.size for p in _position_parts(axis_name, "nx.axis_size"))
 
 
 def one_hot(x, num_classes: int | None = None, *, axis=-1, dtype=jnp.float32):
@@ -326,10 +411,17 @@ def tile(x, axes: Mapping):
         if partial is not None:  # tile(psum(p)) over the same mesh axes: one reduce-scatter
             x = psum_scatter(partial, mesh_names, scatter_dimension=dim, tiled=True)
         elif mesh_names or not vmap_names:  # major part first: this device's tile
-            count = axis_size(mesh_names) if vmap_names else size
+            count = math.prod(map(_axis_env.physical_axis_size, mesh_names)) if vmap_names else size
             axes_here = mesh_names or physical
             index = lax.axis_index(axes_here if len(axes_here) > 1 else axes_here[0])
             x = tile_p.bind(x, index.astype(jnp.int32), dim=dim, count=count,
+                            kernels=selection_param())
+        steps = [p for p in _axis_env.position_parts((name,), op="nx.tile") if p.index is not None]
+        if steps:  # then this loop step's tile (loops sit between mesh axes and the tile)
+            step = jnp.int32(0)
+            for p in steps:
+                step = step * p.size + p.index.astype(jnp.int32)
+            x = tile_p.bind(x, step, dim=dim, count=math.prod(p.size for p in steps),
                             kernels=selection_param())
         if vmap_names:
             x = _along_vmap_names(x, "tile", vmap_names, dim)

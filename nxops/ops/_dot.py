@@ -15,7 +15,7 @@ from jax import lax
 from jax.interpreters import ad, batching
 
 from nxops.kernels.xla import dot_general as xla_dot_general
-from nxops.ops._primitive import kernel_primitive
+from nxops.ops._primitive import kernel_primitive, match_varying
 from nxops.ops._reduce import bind_reduce
 
 dot_general_p = kernel_primitive("nx_dot_general", "dot_general", xla_dot_general.dot_general,
@@ -26,6 +26,7 @@ def bind_dot_general(a, b, *, dimension_numbers, contract_names=(), precision=No
                      preferred_element_type=None, kernels):
     (ac, bc), (ab, bb) = dimension_numbers
     dims = ((tuple(ac), tuple(bc)), (tuple(ab), tuple(bb)))
+    a, b = match_varying(a, b)
     return dot_general_p.bind(a, b, dimension_numbers=dims, contract_names=tuple(contract_names),
                               precision=precision, preferred_element_type=preferred_element_type,
                               kernels=kernels)
@@ -111,12 +112,14 @@ def _transpose_lhs(ct, x, y, *, dimension_numbers, contract_names, precision,
     # The result's last dims are y's contracting dims in increasing order.
     x_contract_sorted_by_y = [x_contract[i] for i in np.argsort(y_contract)]
     out_axes = np.argsort(list(x_batch) + x_kept + x_contract_sorted_by_y)
+    if contract_names:
+        # A named contraction is a local product, then a psum over the names;
+        # the psum transposes first, like lax.psum (the ct sums over the names),
+        # exactly as the mesh path (local dot, then lax.psum) transposes.
+        ct = bind_reduce(ct, axes=(), op="sum", axis_names=contract_names, kernels=kernels)
     x_bar = bind_dot_general(ct, y, dimension_numbers=dims, precision=precision,
                              preferred_element_type=x_aval.dtype, kernels=kernels)
     x_bar = lax.transpose(x_bar, tuple(int(a) for a in out_axes))
-    if contract_names:
-        # Like lax.psum's transpose: a named contraction is psum + broadcast.
-        x_bar = bind_reduce(x_bar, axes=(), op="sum", axis_names=contract_names, kernels=kernels)
     return x_bar.astype(x_aval.dtype)
 
 

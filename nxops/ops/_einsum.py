@@ -222,6 +222,9 @@ def einsum(spec: str, *operands, precision=None, preferred_element_type=None):
     value = result.value
     if result.labels != out_labels:
         value = jnp.transpose(value, [result.labels.index(lab) for lab in out_labels])
+    out_dtype = preferred_element_type or dtype
+    if value.dtype != out_dtype:   # sums promote small ints and bool; jnp.einsum does not
+        value = value.astype(out_dtype)
     mesh_contracted = tuple(sorted(all_mesh - set(out_mesh)))
     if mesh_contracted:
         value = _fusion.remember_mesh_sum(lax.psum(value, mesh_contracted), value, mesh_contracted)
@@ -250,6 +253,8 @@ def pdot(x, y, axis_name, *, pos_contract=((), ()), pos_batch=((), ()), precisio
 def _check_pdot_dims(x, y, pos_contract, pos_batch):
     try:
         (xc, yc), (xb, yb) = pos_contract, pos_batch
+        if not all(isinstance(d, (tuple, list)) for d in (xc, yc, xb, yb)):
+            raise TypeError
     except (TypeError, ValueError):
         raise NxopsError(f"nx.pdot: pos_contract={pos_contract!r} and pos_batch={pos_batch!r} must "
                          f"each be a pair (x_dims, y_dims).") from None

@@ -18,6 +18,7 @@ import functools
 from typing import Any, Callable, Sequence
 
 import jax
+from jax import lax
 from jax._src import api_util, core, dispatch
 from jax._src import config as jax_config
 from jax._src import sharding_impls
@@ -103,3 +104,13 @@ def kernel_primitive(name: str, op: str, reference: Callable[..., Any],
                                     naming_params=naming_params),
             platform=platform)
     return prim
+
+
+def match_varying(*xs):
+    """Casts operands to the union of their varying mesh axes, as JAX's own
+    binary ops do under ``check_vma=True``: the cast transposes to a psum, so a
+    replicated operand's cotangent comes back replicated (summed over devices)."""
+    varying = [frozenset(jax.typeof(x).manual_axis_type.varying) for x in xs]
+    union = frozenset().union(*varying)
+    return tuple(lax.pcast(x, tuple(sorted(union - v)), to="varying") if union - v else x
+                 for x, v in zip(xs, varying))

@@ -20,8 +20,9 @@ from jax.interpreters import ad, batching
 
 from nxops._errors import NxopsError
 from nxops.kernels.xla import reduce as xla_reduce
+from nxops.kernels.xla import collectives as xla_collectives
 from nxops.ops import _axis_env, _fusion
-from nxops.ops._collectives import axis_size
+from nxops.ops._collectives import _mesh_platform, axis_size
 from nxops.ops._primitive import kernel_primitive, selection_param
 
 reduce_p = kernel_primitive("nx_reduce", "reduce", xla_reduce.reduce,
@@ -120,8 +121,13 @@ ad.primitive_transposes[reduce_p] = _sum_transpose
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
 def _mesh_extremum(y, mesh_names, op):
     """``lax.pmax``/``pmin`` with a derivative (JAX has none): ties share the
-    tangent equally, as ``jnp.max`` does."""
-    return (lax.pmax if op == "max" else lax.pmin)(y, mesh_names)
+    tangent equally, as ``jnp.max`` does. NaN propagates as in ``jnp.max``
+    (XLA:CPU's all-reduce max drops it, so it is reduced separately)."""
+    out = (lax.pmax if op == "max" else lax.pmin)(y, mesh_names)
+    if not jnp.issubdtype(y.dtype, jnp.inexact):
+        return out
+    any_nan = lax.pmax(jnp.isnan(y).astype(jnp.int32), mesh_names)
+    return jnp.where(any_nan > 0, jnp.asarray(jnp.nan, out.dtype), out)
 
 
 @_mesh_extremum.defjvp
@@ -167,8 +173,11 @@ def _mesh_logsumexp(y, mesh_names):
 
 
 def _mesh_prod(y, mesh_names):
-    gathered = lax.all_gather(y, mesh_names, axis=0, tiled=False, to="invarying")
+    gathered = xla_collectives.all_gather(y, mesh_names, axis=0, tiled=False)
     return jnp.prod(gathered, axis=0)
+
+
+_CPU_UNSAFE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def _resolve_axes(x, axis, name: str):
@@ -190,6 +199,14 @@ def _reduce_resolved(x, positional, vmap_names, mesh_names, op: str):
         y = y.astype(jnp.result_type(float))
     if not mesh_names:
         return y
+    if op in ("max", "min") and jnp.issubdtype(y.dtype, jnp.complexfloating):
+        # XLA has no complex all-reduce max; jnp orders complex numbers lexicographically.
+        gathered = xla_collectives.all_gather(y, mesh_names, axis=0, tiled=False)
+        return (jnp.max if op == "max" else jnp.min)(gathered, axis=0)
+    if y.dtype in _CPU_UNSAFE_DTYPES and _mesh_platform() == "cpu":
+        # XLA:CPU aborts (CHECK "Invalid binary instruction opcode copy") on a
+        # bf16/f16 all-reduce over some of the mesh axes: reduce in f32 there.
+        return _reduce_resolved(y.astype(jnp.float32), (), (), mesh_names, op).astype(y.dtype)
     if op == "sum":
         return _fusion.remember_mesh_sum(lax.psum(y, mesh_names), y, mesh_names)
     if op in _MESH_REDUCERS:

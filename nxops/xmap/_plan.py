@@ -41,8 +41,7 @@ class AxisPlan:
         return self.mesh_axes + self.loops
 
     def logical_axis(self) -> LogicalAxis:
-        loop = self.loops[0].name if self.loops else None
-        return LogicalAxis(physical=self.mesh_axes + (self.vmap_name,), loop=loop)
+        return LogicalAxis(physical=self.mesh_axes + (self.vmap_name,), loops=self.loops)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,6 +25,7 @@ from jax._src.interpreters.batching import infer as _infer_out_axes
 from jax.sharding import AxisType, NamedSharding
 
 from nxops._errors import NxopsError
+from nxops.ops._axis_env import loop_step
 from nxops.xmap._plan import Plan, check_shared_resources
 from nxops.xmap._specs import AxisSpec, broadcast_specs, check_output_rank
 
@@ -141,26 +142,28 @@ def _loop_level(loop, inner: Inner, outputs: _Outputs) -> Inner:
         sub_layouts = [[t for t in lay if t != tag] for lay in layouts]
         inner_layouts: list = []
 
-        def one_step(xs_step):
+        def one_step(index, xs_step):
             args = list(flat)
             for i, x in zip(scanned, xs_step):
                 args[i] = x
-            outs, lays = inner(args, sub_layouts)
+            with loop_step(loop, index):   # position queries see the global position
+                outs, lays = inner(args, sub_layouts)
             inner_layouts[:] = lays
             return outs
 
         # Outputs along the loop's names are stacked (scan's ys); the others do
         # not vary along them and are carried (their shapes come from one step).
-        step_avals = jax.eval_shape(one_step, [x[0] for x in xs])
+        steps = jnp.arange(loop.length, dtype=jnp.int32)
+        step_avals = jax.eval_shape(one_step, steps[0], [x[0] for x in xs])
         stacked = [tag in outputs.layouts[j] for j in range(len(step_avals))]
 
-        def step(carry, xs_step):
-            outs = one_step(xs_step)
+        def step(carry, index_and_xs):
+            outs = one_step(*index_and_xs)
             return ([o for o, s in zip(outs, stacked) if not s],
                     [o for o, s in zip(outs, stacked) if s])
 
         init = [_zeros_like_aval(a) for a, s in zip(step_avals, stacked) if not s]
-        carried, ys = lax.scan(step, init, xs, length=loop.length)
+        carried, ys = lax.scan(step, init, (steps, xs), length=loop.length)
         carried, ys = iter(carried), iter(ys)
         new_outs, new_layouts = [], []
         for j, (s, lay) in enumerate(zip(stacked, inner_layouts)):
@@ -238,9 +241,10 @@ def build_program(body: Callable, plan: Plan, in_tree, in_specs: list[AxisSpec],
         mesh = abstract if not abstract.empty else plan.mesh
         in_pspecs = tuple(plan.partition_spec(s, x.ndim) for x, s in zip(flat, in_specs))
         # check_vma=False: the vmap levels already check, per logical name, that
-        # no result varies along a name its out_axes omit, and Pallas kernels'
-        # out_shapes carry no varying-mesh-axes types (pallas_call refuses them
-        # under check_vma=True).
+        # no result varies along a name its out_axes omit. It also keeps jax.grad
+        # inside the body per position for replicated inputs (per-example
+        # gradients), as under vmap and loops; check_vma=True would sum those over
+        # devices, and JAX has no varying -> invariant cast to undo it for free.
         return jax.shard_map(sharded, mesh=mesh, in_specs=in_pspecs, out_specs=out_specs,
                              axis_names=frozenset(plan.mesh_axes), check_vma=False)(*flat)
     return program, outputs

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 from jax import lax
 
+from nxops._jax import vma_checked
 from nxops.kernels._registry import Kernel, register
 
 ALL_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
@@ -13,12 +14,16 @@ ALL_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 def all_gather(x: jax.Array, axis_name, *, axis: int, tiled: bool, platform: str = "cpu") -> jax.Array:
     """``lax.all_gather``: one all-gather over ``axis_name`` (a name or tuple).
 
-    The result is typed invariant (replicated) over ``axis_name``, so it can
-    leave a ``shard_map`` with ``out_specs=P()`` under ``check_vma=True``;
-    ``x`` must be varying over ``axis_name``.
+    Under ``check_vma=True`` the result is typed invariant (replicated) over
+    ``axis_name``, so it can leave a ``shard_map`` with ``out_specs=P()``;
+    ``x`` must be varying over ``axis_name``. Under ``check_vma=False`` (as in
+    nx.xmap) it stays varying: shard_map then divides a replicated result's
+    cotangent by the mesh size, and only the varying all-gather's transpose (a
+    reduce-scatter) sums it back; the invariant one's (a slice) would not.
     """
     del platform
-    return lax.all_gather(x, axis_name, axis=axis, tiled=tiled, to="invarying")
+    to = "invarying" if vma_checked() else "varying"
+    return lax.all_gather(x, axis_name, axis=axis, tiled=tiled, to=to)
 
 
 def reduce_scatter(x: jax.Array, axis_name, *, scatter_dimension: int, tiled: bool,
