@@ -151,7 +151,7 @@ def parse_selection(value: str) -> Selection:
     """Parses an ``NXOPS_KERNELS`` value; raises NxopsError naming the bad part."""
     if not isinstance(value, str):
         raise _selection_error(repr(value), "it must be a string")
-    text = value.strip().lower()
+    text = value.strip().lower() or "auto"   # NXOPS_KERNELS= (set but empty) means auto
     if text in CHOICES:
         return Selection(tuple((f, text) for f in FAMILIES))
     chosen: dict[str, str] = {}
@@ -295,7 +295,10 @@ class Report:
         return f"{self.op:<15} {self.operands:<40} {self.choice.kernel.name:<20} {self.choice.describe()}"
 
 
-_collectors: list[list[Report]] = []
+# The report lists of the enclosing `collect_reports` blocks of this thread /
+# context (a context variable: threads explaining at once never mix reports).
+_COLLECTORS: contextvars.ContextVar[tuple[list[Report], ...]] = contextvars.ContextVar(
+    "nxops_report_collectors", default=())
 
 # A fresh value per `collect_reports` block; part of the trace context, so jit
 # caches cannot skip the tracing and lowering that make the reports.
@@ -308,10 +311,11 @@ _epochs = itertools.count(1)
 def report(op: str, choice: Choice, avals: Sequence[Any], params: dict, /) -> None:
     """Called by lowering rules (and trace-time dispatch) with each choice."""
     del params
-    if not _collectors:
+    collectors = _COLLECTORS.get()
+    if not collectors:
         return
     operands = ", ".join(f"{getattr(a, 'dtype', '?')}{list(getattr(a, 'shape', ()))}" for a in avals)
-    for collector in _collectors:
+    for collector in collectors:
         collector.append(Report(op, operands, choice))
 
 
@@ -331,11 +335,11 @@ def collect_reports(platform: str | None = None) -> Iterator[list[Report]]:
     """Records every kernel choice made while the block traces or lowers
     (for ``platform``, when given)."""
     reports: list[Report] = []
-    _collectors.append(reports)
+    collectors_token = _COLLECTORS.set(_COLLECTORS.get() + (reports,))
     token = _TARGET_PLATFORM.set(platform)
     try:
         with _COLLECTION_EPOCH(next(_epochs)):
             yield reports
     finally:
         _TARGET_PLATFORM.reset(token)
-        _collectors.remove(reports)
+        _COLLECTORS.reset(collectors_token)

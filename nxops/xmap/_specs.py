@@ -44,11 +44,28 @@ def _show_entry(entry: Any) -> str:
 def is_axes_leaf(entry: Any) -> bool:
     """Whether ``entry`` is one spec (as opposed to a container of specs)."""
     if isinstance(entry, dict):
-        return all(isinstance(k, int) for k in entry) and all(
+        return all(_is_position(k) for k in entry) and all(
             isinstance(v, str) for v in entry.values())
     if isinstance(entry, (tuple, list)):
         return all(e is None or e is Ellipsis or isinstance(e, str) for e in entry)
     return False
+
+
+def _is_position(key: Any) -> bool:
+    return isinstance(key, int) and not isinstance(key, bool)
+
+
+def _check_dict_specs(tree: Any, what: str) -> None:
+    """A dict with a positional (int or bool) key is meant as one spec: all its
+    keys must be positions (``{True: 'a'}`` is not position 1)."""
+    if isinstance(tree, dict):
+        if any(isinstance(k, int) for k in tree) and not is_axes_leaf(tree):
+            raise _spec_error(what, tree)
+        for value in tree.values():
+            _check_dict_specs(value, what)
+    elif isinstance(tree, (list, tuple)) and not is_axes_leaf(tree):
+        for value in tree:
+            _check_dict_specs(value, what)
 
 
 def _spec_error(what: str, entry: Any) -> NxopsError:
@@ -102,6 +119,7 @@ def parse_spec_tree(tree: Any, what: str) -> Any:
         tree = tuple(tree)
     if is_axes_leaf(tree):
         return parse_spec(tree, what)
+    _check_dict_specs(tree, what)
     # Any other leaf (a str, an int, ...) is not a spec: parse_spec raises.
     return jax.tree.map(lambda e: parse_spec(e, what), tree, is_leaf=is_axes_leaf)
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import weakref
 from typing import Any, Callable, Sequence
 
 import jax
 from jax._src import mesh as _mesh_lib
 from jax._src.array import ArrayImpl as _ArrayImpl
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nxops._errors import NxopsError
 from nxops.ops._axis_env import current_logical_axes, current_logical_axes_map, logical_axes
@@ -75,9 +76,12 @@ class XmapFunction:
         self._donate_argnums = ((donate_argnums,) if isinstance(donate_argnums, int)
                                 else tuple(donate_argnums))
         self._backend = backend
-        self._by_context: dict[tuple, Any] = {}
+        self._by_context: dict[tuple, Any] = _shared_jits(fun, (
+            _hashable_tree(self._in_axes), _hashable_tree(self._out_axes),
+            tuple(sorted(self._axis_sizes.items())), tuple(sorted(self._resources.items())),
+            self._donate_argnums, backend))
         self._last_context: tuple | None = None
-        functools.update_wrapper(self, fun)
+        functools.update_wrapper(self, fun, updated=())   # not __dict__: fun may be an xmap
 
     def __repr__(self) -> str:
         return (f"nx.xmap({getattr(self._fun, '__name__', self._fun)}, "
@@ -91,7 +95,8 @@ class XmapFunction:
         try:
             return jitted(*args)
         except ValueError as e:
-            if isinstance(e, NxopsError) or "incompatible devices" not in str(e):
+            # Checked only after a failure, so the common call pays nothing.
+            if isinstance(e, NxopsError) or not _committed_off_mesh(args):
                 raise
         # Inputs committed to devices other than the mesh's: move them, then retry.
         return jitted(*self._place_on_mesh(args))
@@ -172,18 +177,20 @@ class XmapFunction:
         return plan, flat_specs
 
     def _place_on_mesh(self, args: tuple) -> tuple:
-        """``device_put`` committed inputs that live on devices outside the mesh."""
+        """``device_put`` committed inputs that live on devices outside the mesh:
+        per the plan, or replicated when the plan maps nothing to the mesh."""
         mesh = mesh_in_scope()
         leaves, tree = jax.tree.flatten(args)
         committed = [isinstance(x, _ArrayImpl) and x.committed for x in leaves]
         if mesh is None or not any(committed) or _mesh_lib.get_abstract_mesh().manual_axes:
             return args
         plan, flat_specs = self._plan(args, mesh)
-        if plan.mesh is None:
-            return args
         devices = set(mesh.devices.flat)
-        leaves = [jax.device_put(x, NamedSharding(mesh, plan.partition_spec(spec, x.ndim)))
-                  if c and x.sharding.device_set != devices else x
+
+        def target(x, spec):
+            pspec = plan.partition_spec(spec, x.ndim) if plan.mesh is not None else PartitionSpec()
+            return NamedSharding(mesh, pspec)
+        leaves = [jax.device_put(x, target(x, spec)) if c and x.sharding.device_set != devices else x
                   for x, spec, c in zip(leaves, flat_specs, committed)]
         return jax.tree.unflatten(tree, leaves)
 
@@ -201,6 +208,36 @@ class _UnderMesh:
     def lower(self, *args):
         with jax.set_mesh(self._mesh):
             return self._jitted.lower(*args)
+
+
+# fun -> {definition: {context: jitted}}. Two nx.xmap objects built from the
+# same function object with equal specs, sizes, resources, donation and
+# backend share their jitted programs, so `fun` is traced once (as jax.jit and
+# the old xmap do). Keyed by the function's identity, held weakly: a new
+# closure is a new function (it may capture other values) and shares nothing.
+_SHARED: "weakref.WeakKeyDictionary[Callable, dict]" = weakref.WeakKeyDictionary()
+
+
+def _hashable_tree(tree: Any) -> tuple:
+    leaves, treedef = jax.tree.flatten(tree)
+    return tuple(leaves), treedef
+
+
+def _shared_jits(fun: Callable, definition: tuple) -> dict:
+    try:
+        return _SHARED.setdefault(fun, {}).setdefault(definition, {})
+    except TypeError:   # fun not weak-referenceable, or a definition part unhashable
+        return {}
+
+
+def _committed_off_mesh(args: tuple) -> bool:
+    """Whether some input is committed to devices the mesh in scope lacks."""
+    mesh = mesh_in_scope()
+    if mesh is None:
+        return False
+    devices = set(mesh.devices.flat)
+    return any(isinstance(x, _ArrayImpl) and x.committed and not x.sharding.device_set <= devices
+               for x in jax.tree.leaves(args))
 
 
 def _context_probe() -> tuple:

@@ -488,12 +488,16 @@ def reduce_scatter_not_supported_reasons(x, axis_name=None, *, platform, **param
 ALL_GATHER = register(Kernel(
     op="all_gather", backend="pallas", platforms=("cpu", "cuda", "tpu"), fn=all_gather,
     not_supported_reasons=all_gather_not_supported_reasons,
+    # Ring kernels address devices of manual axes (and interpret mode uses host
+    # callbacks, which XLA cannot partition): every mesh axis must be manual.
+    manual_only_platforms=("cpu", "cuda", "tpu"),
     description="Pallas TPU ring all-gather, bidirectional where the shard splits "
                 "(remote DMAs; TPU interpret mode on CPU); opt-in Mosaic GPU multimem on cuda",
 ))
 REDUCE_SCATTER = register(Kernel(
     op="reduce_scatter", backend="pallas", platforms=("cpu", "cuda", "tpu"), fn=reduce_scatter,
     not_supported_reasons=reduce_scatter_not_supported_reasons,
+    manual_only_platforms=("cpu", "cuda", "tpu"),
     description="Pallas TPU ring reduce-scatter, bidirectional where the chunk splits "
                 "(remote DMAs; TPU interpret mode on CPU); opt-in Mosaic GPU multimem on cuda",
 ))
