@@ -5,7 +5,7 @@ reductions, einsum/pdot and collectives that run in Pallas/Triton/XLA kernels
 chosen by ``nx.kernels`` (``NXOPS_KERNELS``).
 """
 from nxops._errors import NxopsError
-from nxops import hlo, kernels
+from nxops import hlo, kernels, random
 from nxops.ops import (
     all_gather, all_to_all, axis_index, axis_size, einsum, logsumexp, max, mean, min, one_hot,
     pdot, pmax, pmean, pmin, ppermute, prod, psum, psum_scatter, sum, tile, untile,
@@ -14,12 +14,12 @@ from nxops.ops import (
 # Import the frontend package fully, then bind the *function*: importing the
 # package `nxops.xmap` set the attribute `nxops.xmap` to the module.
 import nxops.xmap as _xmap_package  # noqa: E402
-from nxops.xmap import SerialLoop, serial_loop, xmap  # noqa: E402
+from nxops.xmap import SerialLoop, axis_rules, serial_loop, xmap  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "NxopsError", "SerialLoop", "serial_loop", "xmap", "hlo", "all_gather", "all_to_all", "axis_index", "axis_size", "einsum", "kernels",
+    "NxopsError", "SerialLoop", "axis_rules", "serial_loop", "xmap", "hlo", "random", "all_gather", "all_to_all", "axis_index", "axis_size", "einsum", "kernels",
     "logsumexp", "max", "mean", "min", "one_hot", "pdot", "pmax", "pmean", "pmin", "ppermute",
     "prod", "psum", "psum_scatter", "sum", "tile", "untile",
 ]

@@ -1,5 +1,6 @@
 """The ``nx.xmap`` frontend: named axes, mesh tiling and serial loops."""
 from nxops.xmap._resources import SerialLoop, serial_loop
+from nxops.xmap._rules import axis_rules
 from nxops.xmap._xmap import XmapFunction, xmap
 
-__all__ = ["SerialLoop", "XmapFunction", "serial_loop", "xmap"]
+__all__ = ["SerialLoop", "XmapFunction", "axis_rules", "serial_loop", "xmap"]

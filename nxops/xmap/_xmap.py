@@ -18,6 +18,7 @@ from nxops.xmap._plan import (Plan, check_shared_resources, mesh_in_scope,
                               normalize_axis_resources, plan_axis_resources)
 from nxops.xmap._program import build_program
 from nxops.xmap._resources import loops_in_scope
+from nxops.xmap._rules import check_rules, current_axis_rules, resources_from_rules
 from nxops.xmap._specs import (AxisSpec, broadcast_specs, infer_axis_sizes, parse_spec_tree,
                                spec_names)
 from nxops.xmap._variance import check_no_cooccurrence
@@ -72,6 +73,11 @@ class XmapFunction:
                 f"axis_sizes, but the following are missing: {', '.join(map(repr, missing))} "
                 f"(out_axes={out_axes!r}). Give their sizes with axis_sizes={{name: size}}.")
         self._names = defined
+        # A rule table resolves now; no axis_resources at all follows the
+        # nx.axis_rules(...) in scope at each call (part of the context key).
+        self._follows_rule_context = axis_resources is None
+        if isinstance(axis_resources, (list, tuple)):
+            axis_resources = resources_from_rules(defined, check_rules(axis_resources))
         self._resources = normalize_axis_resources(axis_resources, defined)
         self._donate_argnums = ((donate_argnums,) if isinstance(donate_argnums, int)
                                 else tuple(donate_argnums))
@@ -96,7 +102,16 @@ class XmapFunction:
             return jitted(*args)
         except ValueError as e:
             # Checked only after a failure, so the common call pays nothing.
-            if isinstance(e, NxopsError) or not _committed_off_mesh(args):
+            if isinstance(e, NxopsError):
+                raise
+            if jax.process_count() > 1 and _process_local_inputs(args):
+                raise NxopsError(
+                    "In a program over several processes, every nx.xmap input must be a global "
+                    "jax.Array on the mesh, but some inputs live on this process's devices only. "
+                    "Build them with jax.make_array_from_process_local_data(sharding, local_data) "
+                    "or jax.make_array_from_callback(shape, sharding, callback), with sharding = "
+                    "NamedSharding(mesh, PartitionSpec(...)).") from e
+            if not _committed_off_mesh(args):
                 raise
         # Inputs committed to devices other than the mesh's: move them, then retry.
         return jitted(*self._place_on_mesh(args))
@@ -112,23 +127,29 @@ class XmapFunction:
         # shardings, and the plan is made while tracing: a repeated call costs
         # a jit call plus this lookup (no re-parsing, no re-planning). The
         # lookup itself is skipped while the context objects are the same ones.
-        mesh, legacy_mesh, loops, names = probe = _context_probe()
+        mesh, legacy_mesh, loops, names, rules = probe = _context_probe()
         last = self._last_context
         if last is not None:  # (an explicit `is` chain: a generator costs ~0.8 us here)
-            (last_mesh, last_legacy, last_loops, last_names), jitted = last
+            (last_mesh, last_legacy, last_loops, last_names, last_rules), jitted = last
             if (mesh is last_mesh and legacy_mesh is last_legacy and loops is last_loops
-                    and names is last_names):
+                    and names is last_names and rules is last_rules):
                 return jitted
-        key = (mesh_in_scope(), loops, tuple(names.items()))
+        rules = rules if self._follows_rule_context else None
+        key = (mesh_in_scope(), loops, tuple(names.items()), rules)
         jitted = self._by_context.get(key)
         if jitted is None:
-            jitted = self._by_context[key] = self._make_jitted(key[0])
+            jitted = self._by_context[key] = self._make_jitted(key[0], self._resources_for(rules))
         self._last_context = (probe, jitted)
         return jitted
 
-    def _make_jitted(self, mesh: Mesh | None):
+    def _resources_for(self, rules) -> dict:
+        if not rules:
+            return self._resources
+        return normalize_axis_resources(resources_from_rules(self._names, rules), self._names)
+
+    def _make_jitted(self, mesh: Mesh | None, resources: dict):
         def run(*args):
-            plan, flat_specs = self._plan(args, mesh)
+            plan, flat_specs = self._plan(args, mesh, resources)
             with _enclosing_mesh():
                 check_no_cooccurrence(self._fun, plan, jax.tree.structure(args),
                                       jax.tree.leaves(args), flat_specs)
@@ -145,7 +166,8 @@ class XmapFunction:
             return jitted
         return _UnderMesh(mesh, jitted)   # the legacy `with mesh:`
 
-    def _plan(self, args: tuple, mesh: Mesh | None) -> tuple[Plan, list[AxisSpec]]:
+    def _plan(self, args: tuple, mesh: Mesh | None,
+              resources: dict) -> tuple[Plan, list[AxisSpec]]:
         """Checks the arguments against the specs and plans every named axis."""
         enclosing = _ENCLOSING_MESH.get()
         if enclosing is not None and enclosing != _meshes_in_scope():
@@ -171,7 +193,7 @@ class XmapFunction:
                 f"probably passed in empty containers in place of arguments that had "
                 f"those axes in their in_axes. Provide the sizes of missing axes "
                 f"explicitly via axis_sizes to fix this error.")
-        plan = plan_axis_resources(sizes, self._resources, self._names)
+        plan = plan_axis_resources(sizes, resources, self._names)
         for spec, path in zip(flat_specs, paths):
             check_shared_resources(plan, spec, f"argument {path}")
         return plan, flat_specs
@@ -184,7 +206,8 @@ class XmapFunction:
         committed = [isinstance(x, _ArrayImpl) and x.committed for x in leaves]
         if mesh is None or not any(committed) or _mesh_lib.get_abstract_mesh().manual_axes:
             return args
-        plan, flat_specs = self._plan(args, mesh)
+        rules = current_axis_rules() if self._follows_rule_context else None
+        plan, flat_specs = self._plan(args, mesh, self._resources_for(rules))
         devices = set(mesh.devices.flat)
 
         def target(x, spec):
@@ -230,6 +253,12 @@ def _shared_jits(fun: Callable, definition: tuple) -> dict:
         return {}
 
 
+def _process_local_inputs(args: tuple) -> bool:
+    """Whether some committed input lives on this process's devices only."""
+    return any(isinstance(x, _ArrayImpl) and x.committed and x.is_fully_addressable
+               for x in jax.tree.leaves(args))
+
+
 def _committed_off_mesh(args: tuple) -> bool:
     """Whether some input is committed to devices the mesh in scope lacks."""
     mesh = mesh_in_scope()
@@ -244,7 +273,7 @@ def _context_probe() -> tuple:
     """The objects that make up a call's context (mesh, legacy mesh, loops,
     enclosing names); unchanged identities mean an unchanged context."""
     return (_mesh_lib.get_concrete_mesh(), _mesh_lib.thread_resources.env.physical_mesh,
-            loops_in_scope(), current_logical_axes_map())
+            loops_in_scope(), current_logical_axes_map(), current_axis_rules())
 
 
 def _concrete_mesh_unset() -> bool:
@@ -253,7 +282,7 @@ def _concrete_mesh_unset() -> bool:
 
 
 def xmap(fun: Callable, in_axes: Any, out_axes: Any, *,
-         axis_sizes: dict[str, int] | None = None, axis_resources: dict | None = None,
+         axis_sizes: dict[str, int] | None = None, axis_resources: Any = None,
          donate_argnums: int | Sequence[int] = (), backend: str | None = None) -> XmapFunction:
     """Maps ``fun`` over named axes (the model of the removed ``jax.experimental.maps.xmap``).
 
@@ -267,7 +296,10 @@ def xmap(fun: Callable, in_axes: Any, out_axes: Any, *,
         ``axis_sizes`` and are broadcast.
       axis_sizes: ``{name: size}`` for names not inferable from the arguments.
       axis_resources: ``{name: mesh_axis | (mesh_axis, ...) | SerialLoop(n) |
-        loop_name | (mesh axes..., loops...)}``; the mesh comes from
+        loop_name | (mesh axes..., loops...)}``, or a flax-style rule table
+        ``[(name, mesh_axes | None), ...]`` (priority semantics, see
+        ``nx.axis_rules``); when omitted, the ``nx.axis_rules`` in scope at the
+        call (if any) decides. The mesh comes from
         ``jax.set_mesh(mesh)`` (or the legacy ``with mesh:``), loop names from
         ``nx.serial_loop``. Resources never change results, only where and how
         the work runs.

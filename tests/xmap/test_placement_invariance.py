@@ -160,3 +160,20 @@ def test_closed_over_prng_key_works_under_explicit_and_auto_meshes(axis_type):
     with jax.set_mesh(mesh):
         got = nx.xmap(body, ["b"], ["b"], axis_resources={"b": "x"})(jnp.zeros(8))
     np.testing.assert_allclose(got, want)
+
+
+@pytest.mark.parametrize("name,mesh,resources", PLACEMENTS, ids=[p[0] for p in PLACEMENTS])
+def test_nx_random_is_per_position_and_the_same_under_every_placement(name, mesh, resources):
+    key = jax.random.key(7)
+
+    def body(v, k):
+        return (nx.random.uniform(key, (3,)), nx.random.normal(k, (2,), names="a"),
+                nx.random.bits(key, (), names=("a",)) + 0 * v.astype(jnp.uint32))
+
+    got = _run(body, (["a"], [...]), (["a", ...], ["a", ...], ["a"]), resources, mesh,
+               jnp.zeros(8), key)
+    here = [jax.random.fold_in(key, i) for i in range(8)]
+    np.testing.assert_array_equal(got[0], np.stack([jax.random.uniform(k, (3,)) for k in here]))
+    np.testing.assert_array_equal(got[1], np.stack([jax.random.normal(k, (2,)) for k in here]))
+    np.testing.assert_array_equal(got[2], np.stack([jax.random.bits(k, ()) for k in here]))
+    assert len(np.unique(np.asarray(got[2]))) == 8   # positions differ

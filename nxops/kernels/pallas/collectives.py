@@ -455,6 +455,11 @@ def _reasons(x, axis_name, platform, dtypes, *, gathers: bool) -> list[str]:
     dtype = np.dtype(x.dtype)
     if dtype not in dtypes:
         reasons.append(f"dtype {dtype} is not one of {', '.join(sorted(map(str, dtypes)))}")
+    if platform == "cpu" and jax.process_count() > 1:
+        # Interpret mode simulates DMAs between devices of one process only; across
+        # processes its semaphore waits never return.
+        reasons.append("TPU interpret mode on CPU cannot send DMAs between processes "
+                       f"({jax.process_count()} processes here)")
     if platform == "cpu" and not reasons:
         n = _axis_size_or_device_count(axis_name)
         buffer = math.prod(x.shape) * dtype.itemsize * (n if gathers else 1)

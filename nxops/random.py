@@ -1,0 +1,63 @@
+"""Per-position random numbers inside named bodies (``nx.random``).
+
+The old xmap's samplers drew different bits along named axes, the same under
+any resources. Here a key is folded with the *global* position along named
+axes (``nx.axis_index``), so a position's numbers never depend on
+``axis_resources`` (vmap, mesh, serial loop, mixed, several processes) and
+differ between positions::
+
+    def body(x):                      # inside nx.xmap(..., in_axes=['batch', ...])
+        noise = nx.random.normal(key, x.shape)             # varies along every bound name
+        drop = nx.random.bernoulli(key, 0.9, x.shape, names=('batch',))   # along 'batch' only
+        return x * drop + noise
+
+Migrating from ``NamedShape`` samplers (``jax.random.normal(key, NamedShape(3, batch=8))``):
+call ``nx.random.normal(key, (3,), names=('batch',))`` inside the body instead.
+The key may be closed over or passed in as a replicated argument.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from nxops.ops import axis_index
+from nxops.ops._axis_env import as_name_tuple, current_logical_axes
+
+__all__ = ["bernoulli", "bits", "fold_in_names", "key_here", "normal", "uniform"]
+
+
+def fold_in_names(key, *names: str):
+    """``key`` folded with this position along each of ``names``, in order."""
+    for name in names:
+        key = jax.random.fold_in(key, axis_index(name))
+    return key
+
+
+def key_here(key, names: str | Sequence[str] | None = None):
+    """``key`` for this position along ``names`` (default: every logical name
+    bound by the enclosing ``nx.xmap`` bodies, in sorted order)."""
+    if names is None:
+        names = sorted(current_logical_axes())
+    return fold_in_names(key, *as_name_tuple(names))
+
+
+def uniform(key, shape=(), dtype=jnp.float32, minval=0.0, maxval=1.0, *, names=None):
+    """``jax.random.uniform`` with different numbers at each named position."""
+    return jax.random.uniform(key_here(key, names), shape, dtype, minval, maxval)
+
+
+def normal(key, shape=(), dtype=jnp.float32, *, names=None):
+    """``jax.random.normal`` with different numbers at each named position."""
+    return jax.random.normal(key_here(key, names), shape, dtype)
+
+
+def bits(key, shape=(), dtype=jnp.uint32, *, names=None):
+    """``jax.random.bits`` with different bits at each named position."""
+    return jax.random.bits(key_here(key, names), shape, dtype)
+
+
+def bernoulli(key, p=0.5, shape=None, *, names=None):
+    """``jax.random.bernoulli`` with different draws at each named position."""
+    return jax.random.bernoulli(key_here(key, names), p, shape)
