@@ -6,6 +6,7 @@ chosen by ``nx.kernels`` (``NXOPS_KERNELS``).
 """
 from nxops._errors import NxopsError
 from nxops import hlo, kernels, random
+from nxops._export import export
 from nxops.ops import (
     all_gather, all_to_all, axis_index, axis_size, einsum, logsumexp, max, mean, min, one_hot,
     pdot, pmax, pmean, pmin, ppermute, prod, psum, psum_scatter, sum, tile, untile,
@@ -19,7 +20,7 @@ from nxops.xmap import SerialLoop, axis_rules, serial_loop, xmap  # noqa: E402
 __version__ = "0.1.0"
 
 __all__ = [
-    "NxopsError", "SerialLoop", "axis_rules", "serial_loop", "xmap", "hlo", "random", "all_gather", "all_to_all", "axis_index", "axis_size", "einsum", "kernels",
+    "NxopsError", "SerialLoop", "axis_rules", "export", "serial_loop", "xmap", "hlo", "random", "all_gather", "all_to_all", "axis_index", "axis_size", "einsum", "kernels",
     "logsumexp", "max", "mean", "min", "one_hot", "pdot", "pmax", "pmean", "pmin", "ppermute",
     "prod", "psum", "psum_scatter", "sum", "tile", "untile",
 ]

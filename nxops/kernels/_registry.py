@@ -226,6 +226,9 @@ def _reasons(kernel: Kernel, platform: str, avals: Sequence[Any], params: dict,
              auto_partitioned: bool, /) -> tuple[str, ...]:
     if platform not in kernel.platforms:
         return (f"it runs on {', '.join(kernel.platforms)}, not {platform}",)
+    if any(not isinstance(d, int) for aval in avals for d in getattr(aval, "shape", ())):
+        return ("symbolic sizes (jax.export shape polymorphism): the kernel's blocks and grid "
+                "need concrete sizes",)
     if auto_partitioned and platform in kernel.manual_only_platforms:
         return (f"on {platform} it cannot be partitioned automatically; run it where every "
                 f"mesh axis is manual (map all mesh axes in axis_resources, or use shard_map)",)

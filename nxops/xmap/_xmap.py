@@ -111,7 +111,7 @@ class XmapFunction:
                     "Build them with jax.make_array_from_process_local_data(sharding, local_data) "
                     "or jax.make_array_from_callback(shape, sharding, callback), with sharding = "
                     "NamedSharding(mesh, PartitionSpec(...)).") from e
-            if not _committed_off_mesh(args):
+            if not _committed_elsewhere(args):
                 raise
         # Inputs committed to devices other than the mesh's: move them, then retry.
         return jitted(*self._place_on_mesh(args))
@@ -259,13 +259,14 @@ def _process_local_inputs(args: tuple) -> bool:
                for x in jax.tree.leaves(args))
 
 
-def _committed_off_mesh(args: tuple) -> bool:
-    """Whether some input is committed to devices the mesh in scope lacks."""
+def _committed_elsewhere(args: tuple) -> bool:
+    """Whether some input is committed to devices other than the mesh's (a
+    subset of them, or devices outside the mesh)."""
     mesh = mesh_in_scope()
     if mesh is None:
         return False
     devices = set(mesh.devices.flat)
-    return any(isinstance(x, _ArrayImpl) and x.committed and not x.sharding.device_set <= devices
+    return any(isinstance(x, _ArrayImpl) and x.committed and x.sharding.device_set != devices
                for x in jax.tree.leaves(args))
 
 

@@ -1,0 +1,91 @@
+"""Programs compiled for H100 and A100 on this CPU-only machine (XLA's GPU
+compiler, ptxas from the nvcc wheel): the Pallas kernels' launch and resources,
+and the collectives of sharded nx.xmap programs on 8 H100s at the ring bound."""
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import nxops as nx
+from bench.static import gpu
+
+S = jax.ShapeDtypeStruct
+ARCHS = ["h100", "a100"]
+
+
+def _pallas(fn, *args, arch):
+    with nx.kernels.use("pallas"):
+        return gpu.compile_gpu(fn, *args, arch=arch)
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def compiled(request):
+    """One compile per kernel family and dtype, per arch (cached for the module)."""
+    arch = request.param
+    out = {}
+    for dtype in (jnp.float32, jnp.bfloat16):
+        big = S((4096, 4096), dtype)       # 64 / 32 MiB: over the 16 MiB "large" line
+        name = jnp.dtype(dtype).name
+        out["rows_sum", name] = _pallas(lambda v: nx.sum(v, 1), big, arch=arch)
+        out["rows_lse", name] = _pallas(lambda v: nx.logsumexp(v, 1), big, arch=arch)
+        out["columns_max", name] = _pallas(lambda v: nx.max(v, 0), big, arch=arch)
+        out["matmul", name] = _pallas(lambda a, b: nx.einsum("mk,kn->mn", a, b), big, big,
+                                      arch=arch)
+        out["matmul_grad", name] = _pallas(jax.grad(
+            lambda a, b: nx.einsum("mk,kn->mn", a, b).astype(jnp.float32).sum(), argnums=(0, 1)),
+            big, big, arch=arch)
+    return arch, out
+
+
+def test_every_pallas_kernel_compiles_with_no_spills(compiled):
+    arch, reports = compiled
+    kernels = [k for r in reports.values() for k in r.kernels if k.name.startswith("nxops")]
+    assert len(kernels) >= len(reports)
+    for k in kernels:
+        assert k.registers is not None, f"{arch} {k.name}: ptxas gave no register count"
+        assert (k.spill_stores, k.spill_loads) == (0, 0), f"{arch} {k.name} spills"
+        assert k.ctas_per_sm >= 1, f"{arch} {k.name} does not fit an SM"
+
+
+def test_matmul_kernels_use_the_architectures_tensor_cores(compiled):
+    arch, reports = compiled
+    want = "wgmma." if arch == "h100" else "mma."
+    for key in (("matmul", "float32"), ("matmul", "bfloat16"), ("matmul_grad", "bfloat16")):
+        for k in reports[key].kernels:
+            if k.name.startswith("nxops_dot_general"):
+                assert k.tensor_core and k.tensor_core.startswith(want), (arch, key, k)
+
+
+def test_large_row_reductions_launch_at_least_one_cta_per_sm(compiled):
+    arch, reports = compiled
+    for key in (("rows_sum", "float32"), ("rows_lse", "bfloat16")):
+        (k,) = [k for k in reports[key].kernels if k.name.startswith("nxops_reduce")]
+        assert k.blocks >= gpu.ARCHS[arch].sm_count, (arch, key, k.grid)
+
+
+def test_occupancy_follows_from_registers_threads_and_shared_memory():
+    h100 = gpu.ARCHS["h100"]
+    assert gpu._ctas_per_sm(h100, (256, 1, 1), 30, 128) == 8        # threads bound (2048/256)
+    assert gpu._ctas_per_sm(h100, (256, 1, 1), 98, 0) == 2          # registers bound
+    assert gpu._ctas_per_sm(h100, (128, 1, 1), 32, 100_000) == 2    # shared memory bound
+
+
+COLLECTIVES = {
+    "untile": (lambda v: nx.untile(v, {"a": 0}), [...]),
+    "all_gather": (lambda v: nx.all_gather(v, "a"), [...]),
+    "psum_scatter": (lambda v: nx.psum_scatter(v, "a", tiled=True), ["a", ...]),
+    "psum": (lambda v: nx.psum(v, "a"), [...]),
+    "sum_then_tile": (lambda v: nx.tile(nx.psum(v, "a"), {"a": 0}), ["a", ...]),
+}
+
+
+@pytest.mark.parametrize("op", COLLECTIVES)
+def test_collectives_on_eight_h100s_send_the_ring_lower_bound(op):
+    body, out_axes = COLLECTIVES[op]
+    mesh = gpu.gpu_mesh("h100", (8,), ("x",))
+    x = S((8, 4096), jnp.float32, sharding=NamedSharding(mesh, P("x")))
+    f = nx.xmap(body, ["a", ...], out_axes, axis_resources={"a": "x"})
+    report = gpu.compile_gpu(f, x, arch="h100", mesh_shape=(8,), mesh_axes=("x",))
+    (c,) = nx.hlo.collectives(report.hlo_text)
+    assert c.group_size == 8
+    assert c.ratio == pytest.approx(1.0), (op, c)
