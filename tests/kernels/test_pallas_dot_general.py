@@ -181,3 +181,24 @@ def test_registry_picks_pallas_for_supported_cases(platform):
                               dimension_numbers=MATMUL, precision=None,
                               preferred_element_type=jnp.float32)
     assert choice.kernel is pallas_dot.KERNEL
+
+
+@pytest.mark.parametrize("style", ["triton", "mosaic"])
+@pytest.mark.parametrize("precision", ["float32", "highest", "bfloat16"])
+def test_bf16_matmul_under_a_global_matmul_precision_matches_numpy(style, precision):
+    # Users set jax.default_matmul_precision globally; the kernel must run under it
+    # (interpret mode on CPU once failed: DotThunk BF16 x BF16 = F32 unimplemented).
+    rng = np.random.default_rng(0)
+    a = jnp.asarray(rng.standard_normal((130, 300)), jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal((300, 70)), jnp.bfloat16)
+    dn = (((1,), (0,)), ((), ()))
+    want = np.asarray(a, np.float32) @ np.asarray(b, np.float32)
+    with jax.default_matmul_precision(precision):
+        got = pallas_dot.dot_general_in_style(a, b, dimension_numbers=dn, platform="cpu",
+                                              style=style)
+        grad = jax.grad(lambda a: pallas_dot.dot_general_in_style(
+            a, b, dimension_numbers=dn, platform="cpu", style=style).astype(jnp.float32).sum())(a)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2e-2, atol=2e-1)
+    np.testing.assert_allclose(np.asarray(grad, np.float32),
+                               np.broadcast_to(np.asarray(b, np.float32).sum(1), a.shape),
+                               rtol=2e-2, atol=2e-1)

@@ -176,10 +176,11 @@ def test_dot_general_gradient_lowers_to_three_kernels(platform):
 def test_dot_general_blocks():
     a, b, dn = BIG
     args = (spec(a, jnp.bfloat16), spec(b, jnp.bfloat16))
-    # cuda: 64 x 64 output blocks: 1000 / 64 -> 16, 700 / 64 -> 11; K looped in-kernel.
+    # cuda: 128 x 128 output blocks (1000 / 128 -> 8, 700 / 128 -> 6) as one grid dim of
+    # 48 tiles in grouped order, 8 warps, 3 stages; K looped in-kernel.
     (call,) = kernel_calls(lower_text(lambda a, b: pallas_dot.dot_general(
         a, b, dimension_numbers=dn, platform="cuda"), *args, platform="cuda"), "cuda")
-    assert call["grid"] == (3, 16, 11) and (call["num_warps"], call["num_stages"]) == (4, 3)
+    assert call["grid"] == (3, 48, 1) and (call["num_warps"], call["num_stages"]) == (8, 3)
     # tpu: 256 x 256 output blocks, the whole K = 300 (under the 512 cap) in one step.
     (call,) = kernel_calls(lower_text(lambda a, b: pallas_dot.dot_general(
         a, b, dimension_numbers=dn, platform="tpu"), *args, platform="tpu"), "tpu")
@@ -225,3 +226,20 @@ def test_tile_blocks_tpu():
                       spec((8, 4, 1024), jnp.float32), spec((), jnp.int32), platform="tpu")
     (call,) = kernel_calls(text, "tpu")
     assert call["grid"] == (1, 1) and call["blocks"] == [(8, 1, 8, 128), (8, 8, 128)]
+
+
+@pytest.mark.parametrize("n_tiles_m,n_tiles_n", [(1, 1), (3, 5), (8, 6), (17, 3), (9, 64)])
+def test_grouped_program_order_visits_every_output_tile_once(n_tiles_m, n_tiles_n):
+    tiles = [tuple(int(t) for t in pallas_dot._grouped_tile(jnp.int32(pid), n_tiles_m, n_tiles_n))
+             for pid in range(n_tiles_m * n_tiles_n)]
+    assert sorted(tiles) == [(i, j) for i in range(n_tiles_m) for j in range(n_tiles_n)]
+
+
+@pytest.mark.parametrize("shape,itemsize,want", [
+    ((4096, 4096, 4096), 2, (128, 128, 64, 8, 3)),
+    ((4096, 4096, 4096), 4, (128, 128, 32, 8, 3)),
+    ((8, 4096, 4096), 2, (16, 128, 64, 2, 3)),      # skinny: no 128-row tile on 8 rows
+    ((100, 60, 20), 2, (128, 64, 32, 4, 3)),
+])
+def test_triton_matmul_config_by_shape_class(shape, itemsize, want):
+    assert pallas_dot.triton_matmul_config(*shape, itemsize) == want
