@@ -11,6 +11,7 @@ first with ``nx_reduce``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import jax.numpy as jnp
 import opt_einsum
 from jax import lax
@@ -30,6 +31,7 @@ class _Operand:
     value: object
     labels: list[str]
     names: tuple[str, ...]
+    mesh: tuple[str, ...] = ()   # mesh axes of its named groups (summed by a psum)
 
 
 def _expand_ellipsis(spec: EinsumSpec, operands) -> tuple[list[list[str]], list[str], list]:
@@ -110,19 +112,33 @@ def _take_diagonals(op: _Operand) -> _Operand:
 
 
 def _sum_unneeded(op: _Operand, needed: set[str], kernels: str) -> _Operand:
+    """Sums the labels, vmap names and mesh axes no later operand or the result
+    needs. A mesh axis is summed (psum) as soon as no remaining operand carries
+    it, exactly as a vmapped name: operands whose groups lack the name are not
+    indexed by it, so they multiply the finished sum (never enter it)."""
     axes = tuple(i for i, lab in enumerate(op.labels) if lab not in needed)
     names = tuple(n for n in op.names if n not in needed)
-    if not axes and not names:
+    mesh = tuple(m for m in op.mesh if m not in needed)
+    if not axes and not names and not mesh:
         return op
-    value = bind_reduce(op.value, axes=axes, op="sum", axis_names=names, kernels=kernels)
+    value = op.value
+    if axes or names:
+        value = bind_reduce(value, axes=axes, op="sum", axis_names=names, kernels=kernels)
+    if mesh:
+        value = lax.psum(value, mesh)
     return _Operand(value, [lab for lab in op.labels if lab in needed],
-                    tuple(n for n in op.names if n in needed))
+                    tuple(n for n in op.names if n in needed),
+                    tuple(m for m in op.mesh if m in needed))
+
+
+def _carried(op: _Operand) -> set[str]:
+    return set(op.labels) | set(op.names) | set(op.mesh)
 
 
 def _contract_pair(a: _Operand, b: _Operand, needed: set[str], kernels: str, precision,
                    preferred_element_type) -> _Operand:
-    a = _sum_unneeded(a, needed | set(b.labels) | set(b.names), kernels)
-    b = _sum_unneeded(b, needed | set(a.labels) | set(a.names), kernels)
+    a = _sum_unneeded(a, needed | _carried(b), kernels)
+    b = _sum_unneeded(b, needed | _carried(a), kernels)
     common = [lab for lab in a.labels if lab in b.labels]
     batch = [lab for lab in common if lab in needed]
     contract = [lab for lab in common if lab not in needed]
@@ -135,7 +151,19 @@ def _contract_pair(a: _Operand, b: _Operand, needed: set[str], kernels: str, pre
     labels = batch + [lab for lab in a.labels if lab not in common] + \
         [lab for lab in b.labels if lab not in common]
     names = tuple(dict.fromkeys(n for n in a.names + b.names if n not in contract_names))
-    return _Operand(value, labels, names)
+    return _Operand(value, labels, names, tuple(dict.fromkeys(a.mesh + b.mesh)))
+
+
+def _contract_all(ops: list[_Operand], needed: set[str], *, kernels: str, precision,
+                  preferred_element_type) -> _Operand:
+    """Contracts ``ops`` pairwise in opt_einsum's order into one operand."""
+    for i, j in _contraction_order(ops):
+        a, b = ops[i], ops[j]
+        rest = [op for k, op in enumerate(ops) if k not in (i, j)]
+        pair_needed = needed | set().union(*map(_carried, rest))
+        ops = rest + [_contract_pair(a, b, pair_needed, kernels, precision, preferred_element_type)]
+    (result,) = ops
+    return result
 
 
 def _contraction_order(operands: list[_Operand]) -> list[tuple[int, int]]:
@@ -206,26 +234,33 @@ def einsum(spec: str, *operands, precision=None, preferred_element_type=None):
     resolved = _resolve_names(parsed)
     out_vmap, out_mesh = _term_axes(parsed.output, resolved)
     kernels = selection_param()
-    work, all_mesh = [], set()
+    work = []
     for term, x, labels in zip(parsed.inputs, operands, labels_per_operand):
         vmap_names, mesh_names = _term_axes(term, resolved)
-        all_mesh.update(mesh_names)
-        work.append(_take_diagonals(_Operand(x, labels, vmap_names)))
-    needed_at_end = set(out_labels) | set(out_vmap)
-    for i, j in _contraction_order(work):
-        a, b = work[i], work[j]
-        rest = [op for k, op in enumerate(work) if k not in (i, j)]
-        needed = needed_at_end | {lab for op in rest for lab in op.labels + list(op.names)}
-        work = rest + [_contract_pair(a, b, needed, kernels, precision, preferred_element_type)]
-    (result,) = work
-    result = _sum_unneeded(result, needed_at_end, kernels)
+        work.append(_take_diagonals(_Operand(x, labels, vmap_names, mesh_names)))
+    needed_at_end = set(out_labels) | set(out_vmap) | set(out_mesh)
+    contract = functools.partial(_contract_all, kernels=kernels, precision=precision,
+                                 preferred_element_type=preferred_element_type)
+    # Operands whose groups carry no contracted name are not indexed by those
+    # names: they join after the names are summed, whatever opt_einsum's order
+    # (the same result whether a name is vmapped or on mesh devices).
+    contracted = set().union(*(set(op.names) | set(op.mesh) for op in work)) - needed_at_end
+    carrying = [op for op in work if (set(op.names) | set(op.mesh)) & contracted]
+    plain = [op for op in work if not (set(op.names) | set(op.mesh)) & contracted]
+    if carrying and plain:
+        needed = needed_at_end | set().union(*map(_carried, plain))
+        work = [_sum_unneeded(contract(carrying, needed), needed, kernels)] + plain
+    result = contract(work, needed_at_end)
+    # The last mesh sum comes after the layout fix-ups below, so that a
+    # following nx.tile over the same axes can fuse it into a reduce-scatter.
+    mesh_contracted = tuple(sorted(m for m in result.mesh if m not in out_mesh))
+    result = _sum_unneeded(result, needed_at_end | set(result.mesh), kernels)
     value = result.value
     if result.labels != out_labels:
         value = jnp.transpose(value, [result.labels.index(lab) for lab in out_labels])
     out_dtype = preferred_element_type or dtype
     if value.dtype != out_dtype:   # sums promote small ints and bool; jnp.einsum does not
         value = value.astype(out_dtype)
-    mesh_contracted = tuple(sorted(all_mesh - set(out_mesh)))
     if mesh_contracted:
         value = _fusion.remember_mesh_sum(lax.psum(value, mesh_contracted), value, mesh_contracted)
     return value

@@ -253,3 +253,18 @@ def test_pdot_errors():
         jax.vmap(lambda a: nx.pdot(a, a, "k", pos_contract=((0,), ())), axis_name="k")(np.ones((2, 3)))
     with pytest.raises(nx.NxopsError, match="out of range"):
         jax.vmap(lambda a: nx.pdot(a, a, "k", pos_contract=((5,), (0,))), axis_name="k")(np.ones((2, 3)))
+
+
+@pytest.mark.parametrize("resources", [{}, {"a": "x"}, {"a": ("x", "y")}, {"a": "y"}], ids=str)
+def test_operand_without_the_contracted_name_multiplies_the_finished_sum_on_every_placement(
+        resources):
+    # Found by the oracle: '<a>i,<a>i,i->i' with a third operand that varies along 'a'
+    # but does not list it. It is not indexed by 'a' (einsum semantics, as under vmap),
+    # so the result is sum_a(x_a * y_a) * z at each position, on mesh devices too.
+    rng = np.random.default_rng(0)
+    x, y, z = (rng.standard_normal((8, 4)).astype(np.float32) for _ in range(3))
+    with jax.set_mesh(jax.make_mesh((2, 4), ("x", "y"))):
+        got = nx.xmap(lambda x, y, z: nx.einsum("<a>i,<a>i,i->i", x, y, z),
+                      (["a", ...], ["a", ...], ["a", ...]), ["a", ...],
+                      axis_resources=resources)(x, y, z)
+    np.testing.assert_allclose(got, (x * y).sum(0) * z, rtol=1e-5, atol=1e-5)
