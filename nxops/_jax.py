@@ -1,12 +1,41 @@
 """Every private JAX API nxops uses, in one place.
 
-nxops is tested on JAX 0.10.2 (CI) and runs on 0.11 (the GPU machines); a
-private API that moves breaks only here. Each entry says what it is for and
-the public alternative, if any.
+nxops is tested on JAX 0.10.2 (CI); the GPU machines run 0.11 and users move
+on. A private API that moves breaks here and nowhere else. Each entry says
+what nxops uses it for and the public alternative, if any. Modules import
+these names from here, never from ``jax._src``.
 """
 from __future__ import annotations
 
-from jax._src import config as _config
+# Primitive machinery (ops/_primitive.py): the impl of a primitive through
+# dispatch, abstract evaluation by tracing the reference, and the debug info
+# that tracing wants. Public alternative: none for custom primitives with
+# per-platform lowering rules (jax.extend.core.Primitive is the public part).
+from jax._src import api_util, dispatch  # noqa: F401
+from jax._src.interpreters import partial_eval as pe  # noqa: F401
+# core: ShapedArray without sharding/vma (kernels lower on plain avals),
+# get_axis_env (which vmap/shard_map names are bound: ops/_axis_env.py),
+# jaxprs_in_params (xmap's variance walk). No public alternative.
+from jax._src import core  # noqa: F401
+# The lowering context's axis context: is an op auto-partitioned by XLA?
+from jax._src import sharding_impls  # noqa: F401
+# Config states: the kernel selection and report epoch as jit-key config
+# (kernels/_registry.py) and check_vma toggles. No public way to define
+# states that are part of the jit cache key.
+from jax._src import config  # noqa: F401
+# The concrete mesh of jax.set_mesh and the legacy `with mesh:` environment
+# (xmap's mesh in scope). Public: jax.sharding.get_abstract_mesh only gives
+# the abstract mesh.
+from jax._src import mesh as mesh_lib  # noqa: F401
+# Whether an argument is a committed jax.Array (xmap's input placement).
+from jax._src.array import ArrayImpl  # noqa: F401
+# vmap's out_axes inference sentinel (xmap's tile levels learn which results
+# vary along a name). No public alternative.
+from jax._src.interpreters.batching import infer as infer_out_axes  # noqa: F401
+# Source locations in xmap's shared-resource error messages.
+from jax._src import source_info_util  # noqa: F401
+# Pallas interpret-mode effects of the TPU ring collectives.
+from jax._src.pallas import core as pallas_core  # noqa: F401
 
 
 def vma_checked() -> bool:
@@ -17,4 +46,4 @@ def vma_checked() -> bool:
     under ``check_vma=False`` shard_map divides replicated cotangents by the
     mesh size and a varying all-gather must sum them back. No public API.
     """
-    return bool(_config._check_vma.value)
+    return bool(config._check_vma.value)

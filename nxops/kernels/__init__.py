@@ -3,11 +3,17 @@
 ``NXOPS_KERNELS`` (read at import) or ``nx.kernels.use(...)`` selects, per op
 family (reduce, einsum, tile, collective), the backend: ``auto`` (default),
 ``xla``, ``pallas`` or ``triton``.
+
+The contract with ``nxops.ops`` (the only layer above) is this module's names:
+``choose`` (the kernel for an op, platform, selection and avals), ``report``
+(tell ``explain`` what was chosen), ``current_selection`` / ``parse_selection``
+and ``target_platform`` (the platform ``explain`` traces for, if any).
 """
 from nxops.kernels._explain import Explanation, explain
 from nxops.kernels._registry import (
     BACKENDS, CHOICES, FAMILIES, OP_FAMILY, PLATFORMS, Choice, Kernel, Selection,
-    choose, collect_reports, current_selection, parse_selection, register, registered, use,
+    choose, collect_reports, current_selection, parse_selection, register, registered, report,
+    target_platform, use,
 )
 from nxops.kernels import xla  # noqa: F401  (registers the reference kernels)
 from nxops.kernels import pallas  # noqa: F401  (registers the Pallas kernels)
@@ -16,5 +22,5 @@ from nxops.kernels import triton  # noqa: F401  (registers Triton kernels when j
 __all__ = [
     "BACKENDS", "CHOICES", "FAMILIES", "OP_FAMILY", "PLATFORMS", "Choice", "Explanation",
     "Kernel", "Selection", "choose", "collect_reports", "current_selection", "explain",
-    "parse_selection", "register", "registered", "use",
+    "parse_selection", "register", "registered", "report", "target_platform", "use",
 ]

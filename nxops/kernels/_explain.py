@@ -31,7 +31,9 @@ class Explanation:
             return head + "\n  (no nxops kernel ops in this program)"
         rows = [f"  {'op':<15} {'operands':<40} {'kernel':<20} why"]
         rows += [f"  {r}" for r in self.reports]
-        return "\n".join([head, *rows])
+        kernels = {r.choice.kernel.name: r.choice.kernel.description for r in self.reports}
+        legend = [f"  {name}: {text}" for name, text in kernels.items() if text]
+        return "\n".join([head, *rows, *(["kernels:", *legend] if legend else [])])
 
 
 def explain(fn: Callable[..., Any], *args: Any, platform: str | None = None,

@@ -18,8 +18,8 @@ import functools
 import itertools
 from typing import Any, Callable, Iterator, Sequence
 
-from jax._src import config as _jax_config
 
+from nxops._jax import config as _jax_config
 from nxops._errors import NxopsError
 
 # Positional ops that have kernels, grouped into the families that
@@ -73,7 +73,8 @@ class Kernel:
     ``fn(*arrays, platform=..., **params)`` computes the op; ``platforms`` are
     the lowering platforms it runs on; ``not_supported_reasons(*avals,
     platform=..., **params)`` returns why it cannot take a case (empty when it
-    can). ``reference`` names the reference implementation it is tested against.
+    can); ``description`` is the one line ``explain`` prints for it. The
+    ``xla`` kernel of each op is the reference the others are tested against.
     """
 
     op: str
@@ -311,9 +312,8 @@ _COLLECTION_EPOCH = _jax_config.int_state(
 _epochs = itertools.count(1)
 
 
-def report(op: str, choice: Choice, avals: Sequence[Any], params: dict, /) -> None:
+def report(op: str, choice: Choice, avals: Sequence[Any], /) -> None:
     """Called by lowering rules (and trace-time dispatch) with each choice."""
-    del params
     collectors = _COLLECTORS.get()
     if not collectors:
         return

@@ -19,8 +19,8 @@ import dataclasses
 from typing import Iterator, Sequence
 
 import jax
-from jax._src import core as _core
 
+from nxops._jax import core as _core
 from nxops._errors import NxopsError
 
 

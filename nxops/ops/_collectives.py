@@ -21,8 +21,9 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from nxops._jax import mesh_lib as _mesh
 from nxops._errors import NxopsError
-from nxops.kernels import _registry
+from nxops import kernels as _kernels
 from nxops.ops import _axis_env, _fusion
 from nxops.kernels.xla import tile as xla_tile
 from nxops.ops._primitive import kernel_primitive, selection_param
@@ -45,9 +46,8 @@ def _mesh_platform() -> str:
     """Lowering platform (cpu, cuda, rocm, tpu) of the devices the collective
     runs on: the one `explain` traces for, else the concrete mesh's devices',
     else the default devices'."""
-    if _registry.target_platform() is not None:
-        return _registry.target_platform()
-    from jax._src import mesh as _mesh
+    if _kernels.target_platform() is not None:
+        return _kernels.target_platform()
     devices = getattr(_mesh.get_concrete_mesh(), "devices", None)
     first = devices.flat[0] if devices is not None and devices.size else None
     device = first if isinstance(first, jax.Device) else jax.devices()[0]
@@ -68,11 +68,11 @@ def _mesh_collective(op: str, x, mesh_names: tuple[str, ...], **params):
     """Runs collective ``op`` over ``mesh_names`` in the kernel the registry
     picks for this mesh's platform (one collective over all the names)."""
     platform = _mesh_platform()
-    axis_name = mesh_names if len(mesh_names) > 1 else mesh_names[0]
+    axis_name = _one_or_tuple(mesh_names)
     aval = jax.typeof(x)
-    choice = _registry.choose(op, platform, _registry.current_selection(), (aval,),
+    choice = _kernels.choose(op, platform, _kernels.current_selection(), (aval,),
                               _auto_partitioned_axes_here(), axis_name=axis_name, **params)
-    _registry.report(op, choice, (aval,), params)
+    _kernels.report(op, choice, (aval,))
     # Collectives over mesh axes take values that vary over them (check_vma).
     invariant = tuple(n for n in mesh_names if n not in aval.manual_axis_type.varying)
     if invariant:
@@ -318,7 +318,7 @@ def axis_index(axis_name):
     parts = _position_parts(axis_name, "nx.axis_index")
     if all(p.index is None for p in parts):   # physical axes only: one lax.axis_index
         names = tuple(p.physical for p in parts)
-        return lax.axis_index(names if len(names) > 1 else names[0])
+        return lax.axis_index(_one_or_tuple(names))
     index = jnp.int32(0)
     for part in parts:
         here = lax.axis_index(part.physical) if part.index is None else part.index
@@ -413,7 +413,7 @@ def tile(x, axes: Mapping):
         elif mesh_names or not vmap_names:  # major part first: this device's tile
             count = math.prod(map(_axis_env.physical_axis_size, mesh_names)) if vmap_names else size
             axes_here = mesh_names or physical
-            index = lax.axis_index(axes_here if len(axes_here) > 1 else axes_here[0])
+            index = lax.axis_index(_one_or_tuple(axes_here))
             x = tile_p.bind(x, index.astype(jnp.int32), dim=dim, count=count,
                             kernels=selection_param())
         steps = [p for p in _axis_env.position_parts((name,), op="nx.tile") if p.index is not None]

@@ -37,9 +37,6 @@ def _shift(dims, at):
     return tuple(d + (d >= at) for d in dims)
 
 
-def _free_dims(ndim, contract, batch):
-    return [d for d in range(ndim) if d not in contract and d not in batch]
-
 
 def _dot_batcher(axis_data, vals_in, dims_in, *, dimension_numbers, contract_names, **params):
     """Batch dims stay in place (dot_general takes dims anywhere): no transposes."""
@@ -78,9 +75,9 @@ def _dot_batcher(axis_data, vals_in, dims_in, *, dimension_numbers, contract_nam
                            contract_names=contract_names, **params)
     # The result's dims: batch dims, then a's free dims, then b's, each in order.
     if da is not None:
-        return out, len(ab) + _free_dims(a.ndim, ac, ab).index(da)
-    n_a_free = len(_free_dims(a.ndim, ac, ab))
-    return out, len(ab) + n_a_free + _free_dims(b.ndim, bc, bb).index(db)
+        return out, len(ab) + xla_dot_general.free_dims(a.ndim, ac, ab).index(da)
+    n_a_free = len(xla_dot_general.free_dims(a.ndim, ac, ab))
+    return out, len(ab) + n_a_free + xla_dot_general.free_dims(b.ndim, bc, bb).index(db)
 
 
 batching.fancy_primitive_batchers[dot_general_p] = _dot_batcher

@@ -11,19 +11,17 @@ from __future__ import annotations
 
 import weakref
 
-_results: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 _partials: dict[int, tuple[weakref.ref, object, tuple[str, ...]]] = {}
 
 
 def remember_mesh_sum(result, partial, mesh_names: tuple[str, ...]):
     """Records that ``result`` is ``psum(partial, mesh_names)``; returns ``result``."""
+    key = id(result)
     try:
-        _results[id(result)] = result
+        ref = weakref.ref(result, lambda _: _partials.pop(key, None))
     except TypeError:  # not weak-referenceable (a concrete constant): nothing to fuse
         return result
-    key = id(result)
-    _partials[key] = (weakref.ref(result, lambda _: _partials.pop(key, None)), partial,
-                      tuple(mesh_names))
+    _partials[key] = (ref, partial, tuple(mesh_names))
     return result
 
 

@@ -19,20 +19,18 @@ from typing import Any, Callable, Sequence
 
 import jax
 from jax import lax
-from jax._src import api_util, core, dispatch
-from jax._src import config as jax_config
-from jax._src import sharding_impls
-from jax._src.interpreters import partial_eval as pe
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
+from nxops._jax import api_util, core, dispatch, pe, sharding_impls
+from nxops._jax import config as jax_config
 from nxops._errors import NxopsError
-from nxops.kernels import _registry
+from nxops import kernels as _kernels
 
 
 def selection_param() -> str:
     """The kernel selection in force, validated, as a primitive parameter."""
-    return str(_registry.current_selection())
+    return str(_kernels.current_selection())
 
 
 def _kernel_params(params: dict, naming_params: Sequence[str]) -> dict:
@@ -55,10 +53,10 @@ def _lower_with_kernel(ctx, *args, registry_op: str, platform: str, naming_param
         raise NxopsError(f"nxops op {registry_op!r} reached lowering with unbound names {pending}: "
                          f"a named axis must be bound by an enclosing vmap, shard_map or xmap.")
     params = _kernel_params(params, naming_params)
-    selection = _registry.parse_selection(kernels)
-    choice = _registry.choose(registry_op, platform, selection, ctx.avals_in,
+    selection = _kernels.parse_selection(kernels)
+    choice = _kernels.choose(registry_op, platform, selection, ctx.avals_in,
                               _is_auto_partitioned(ctx), **params)
-    _registry.report(registry_op, choice, ctx.avals_in, params)
+    _kernels.report(registry_op, choice, ctx.avals_in)
     fn = functools.partial(choice.kernel.fn, platform=platform, **params)
     # Kernels are local computations: trace them on plain avals (no sharding,
     # no shard_map varying-axes types) outside any mesh context.
@@ -98,7 +96,7 @@ def kernel_primitive(name: str, op: str, reference: Callable[..., Any],
 
     prim.def_impl(functools.partial(dispatch.apply_primitive, prim))
     prim.def_abstract_eval(abstract_eval)
-    for platform in _registry.PLATFORMS:
+    for platform in _kernels.PLATFORMS:
         mlir.register_lowering(
             prim, functools.partial(_lower_with_kernel, registry_op=op, platform=platform,
                                     naming_params=naming_params),

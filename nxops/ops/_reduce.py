@@ -138,8 +138,7 @@ def _mesh_extremum_jvp(mesh_names, op, primals, tangents):
     return out, lax.psum(t * mask, mesh_names) / lax.psum(mask, mesh_names)
 
 
-_MESH_REDUCERS = {
-    "sum": lax.psum,
+_MESH_REDUCERS = {   # (sum is handled first: it records the partial for sum-then-tile)
     "max": functools.partial(_mesh_extremum, op="max"),
     "min": functools.partial(_mesh_extremum, op="min"),
 }

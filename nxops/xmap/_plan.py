@@ -12,9 +12,9 @@ import math
 from typing import Any, Sequence, Union
 
 import jax
-from jax._src import mesh as _mesh_lib
 from jax.sharding import Mesh, PartitionSpec
 
+from nxops._jax import mesh_lib as _mesh_lib
 from nxops._errors import NxopsError
 from nxops.ops._axis_env import LogicalAxis
 from nxops.xmap._resources import NamedLoop, SerialLoop, loops_in_scope

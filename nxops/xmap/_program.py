@@ -21,9 +21,9 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src.interpreters.batching import infer as _infer_out_axes
 from jax.sharding import AxisType, NamedSharding
 
+from nxops._jax import infer_out_axes as _infer_out_axes
 from nxops._errors import NxopsError
 from nxops.ops._axis_env import loop_step
 from nxops.xmap._plan import Plan, check_shared_resources

@@ -20,11 +20,12 @@ import os
 from typing import Any, Callable, Sequence
 
 import jax
-from jax._src import core, source_info_util
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
+from nxops._jax import core, source_info_util
 from nxops._errors import NxopsError
 from nxops.ops._axis_env import LogicalAxis, logical_axes
+from nxops.ops._named_params import named_axes_effect
 from nxops.xmap._plan import Plan, show_resource
 from nxops.xmap._specs import AxisSpec
 
@@ -39,8 +40,6 @@ _LAX_COLLECTIVES = {
     "reduce_scatter": ("axis_name", "keep"), "all_to_all": ("axis_name", "keep"),
     "ppermute": ("axis_name", "keep"),
 }
-# nxops primitives (before batching, names are parameters).
-_NX_COLLECTIVES = {"nx_reduce": "axis_names", "nx_dot_general": "contract_names"}
 
 
 def shared_resources(plan: Plan) -> dict[frozenset, Any]:
@@ -126,15 +125,12 @@ class _Analysis:
             return [union - axes if effect == "drop" else union | axes] * n_out
         if name == "axis_index":
             return [self._names(params["axis_name"])] * n_out
-        if name in _NX_COLLECTIVES:
-            axes = self._names(params[_NX_COLLECTIVES[name]])
+        named = named_axes_effect(eqn.primitive, params)
+        if named is not None:   # nxops primitives: names in params (ops/_named_params.py)
+            axes, drops = self._names(named[0]), named[1]
             union = Names().union(*ins)
             self._check(union | axes, eqn, axes)
-            return [union - axes] * n_out
-        if name == "nx_named_layout":
-            axes = self._names(params["name"])
-            self._check(ins[0] | axes, eqn, axes)
-            return [ins[0] - axes if params["kind"] == "gather" else ins[0] | axes]
+            return [union - axes if drops else union | axes] * n_out
         if name == "scan":
             return self._scan(eqn, ins)
         if name == "while":

@@ -8,10 +8,10 @@ import weakref
 from typing import Any, Callable, Sequence
 
 import jax
-from jax._src import mesh as _mesh_lib
-from jax._src.array import ArrayImpl as _ArrayImpl
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from nxops._jax import ArrayImpl as _ArrayImpl
+from nxops._jax import mesh_lib as _mesh_lib
 from nxops._errors import NxopsError
 from nxops.ops._axis_env import current_logical_axes, current_logical_axes_map, logical_axes
 from nxops.xmap._plan import (Plan, check_shared_resources, mesh_in_scope,

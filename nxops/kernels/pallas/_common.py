@@ -104,7 +104,7 @@ def call_kwargs(target: Target, *, dimension_semantics: tuple[str, ...] = (),
 DEFAULT_CAPS: dict[str, dict[str, int]] = {
     # triton: a (rows x cols) register tile of <= 4096 elements per program.
     "triton": {"rows": 64, "cols": 1024, "tile": 4096,
-               "m": 64, "n": 64, "k": 32},
+               "m": 128, "n": 128, "k": 64},   # matmul: see dot_general.triton_matmul_config
     # mosaic: ~2 MiB f32 input blocks (double-buffered: well under the
     # 16 MiB default scoped VMEM); matmul blocks feed the 128/256-wide MXU.
     "mosaic": {"rows": 256, "cols": 2048, "tile": 512 * 1024,
@@ -120,6 +120,12 @@ def block_caps(style: str, **caps: int) -> Iterator[None]:
     """Overrides block caps of ``style`` within a block (tests use tiny caps;
     caps that are not multiples of (8, 128) only make sense in interpret mode)."""
     current = _CAPS.get()
+    if style not in current:
+        raise ValueError(f"block_caps: unknown style {style!r}; styles: {sorted(current)}")
+    unknown = sorted(set(caps) - set(current[style]))
+    if unknown:
+        raise ValueError(f"block_caps({style!r}): unknown caps {unknown}; "
+                         f"valid: {sorted(current[style])}")
     token = _CAPS.set({**current, style: {**current[style], **caps}})
     try:
         yield
@@ -155,6 +161,3 @@ def num_warps_for(elements: int) -> int:
     values per thread, 1 to 8 warps."""
     return max(1, min(8, next_power_of_2(elements) // 512))
 
-
-def cdiv(a: int, b: int) -> int:
-    return pl.cdiv(a, b)

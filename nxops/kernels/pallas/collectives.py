@@ -34,12 +34,12 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import config as jax_config
-from jax._src.pallas import core as pallas_core
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.interpreters import mlir
 
+from nxops._jax import config as jax_config
+from nxops._jax import pallas_core
 from nxops.kernels._registry import Kernel, register
 from nxops.kernels.pallas import _collectives_mgpu
 from nxops.kernels.xla import collectives as xla_collectives

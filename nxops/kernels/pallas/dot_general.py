@@ -42,6 +42,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from nxops.kernels._registry import Kernel, register
 from nxops.kernels.pallas import _common
+from nxops.kernels.xla.dot_general import free_dims
 from nxops.kernels.pallas._common import Target
 
 F32 = jnp.float32
@@ -69,11 +70,12 @@ def triton_matmul_config(n_m: int, n_n: int, n_k: int, itemsize: int) -> tuple[i
     mma.sync m16n8k16 on A100); K blocks keep 3 stages of both operands within
     A100's 163 KiB of shared memory (64 for 2-byte types, 32 for f32/TF32).
     Small or skinny dims take the next power of two (at least 16): no 128-row
-    tile on an 8-row matrix.
+    tile on an 8-row matrix. The ``block_caps`` in force bound all three.
     """
-    bm = min(128, max(16, _common.next_power_of_2(n_m)))
-    bn = min(128, max(16, _common.next_power_of_2(n_n)))
-    bk = min(64 if itemsize <= 2 else 32, max(16, _common.next_power_of_2(n_k)))
+    bm = min(_common.cap("triton", "m"), max(16, _common.next_power_of_2(n_m)))
+    bn = min(_common.cap("triton", "n"), max(16, _common.next_power_of_2(n_n)))
+    bk = min(_common.cap("triton", "k"), 64 if itemsize <= 2 else 32,
+             max(16, _common.next_power_of_2(n_k)))
     warps = 8 if bm * bn >= 128 * 128 else 4 if bm * bn >= 64 * 64 else 2
     return bm, bn, bk, warps, 3
 
@@ -146,7 +148,7 @@ def batched_matmul(a3, b3, out_dtype, precision, target: Target) -> jax.Array:
         out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=0,
-            grid=(n_batch, _common.cdiv(n_m, bm), _common.cdiv(n_n, bn), _common.cdiv(n_k, bk)),
+            grid=(n_batch, pl.cdiv(n_m, bm), pl.cdiv(n_n, bn), pl.cdiv(n_k, bk)),
             in_specs=[pl.BlockSpec((None, bm, bk), lambda b, i, j, k: (b, i, k)),
                       pl.BlockSpec((None, bk, bn), lambda b, i, j, k: (b, k, j))],
             out_specs=pl.BlockSpec((None, bm, bn), lambda b, i, j, k: (b, i, j)),
@@ -160,9 +162,6 @@ def batched_matmul(a3, b3, out_dtype, precision, target: Target) -> jax.Array:
 # ---------------------------------------------------------------------------
 # The wrapper: any dimension_numbers -> batched matmul
 
-
-def _free_dims(ndim: int, contract, batch) -> list[int]:
-    return [d for d in range(ndim) if d not in contract and d not in batch]
 
 
 def _transpose_if_needed(x, permutation):
@@ -188,8 +187,8 @@ def dot_general_forward(a, b, dimension_numbers, precision, preferred_element_ty
                         target: Target) -> jax.Array:
     """The kernel path of :func:`dot_general` (no custom VJP)."""
     (a_contract, b_contract), (a_batch, b_batch) = dimension_numbers
-    a_free = _free_dims(a.ndim, a_contract, a_batch)
-    b_free = _free_dims(b.ndim, b_contract, b_batch)
+    a_free = free_dims(a.ndim, a_contract, a_batch)
+    b_free = free_dims(b.ndim, b_contract, b_batch)
     out_dtype = output_dtype(a, b, dimension_numbers, preferred_element_type)
     batch_shape = [a.shape[d] for d in a_batch]
     a_free_shape = [a.shape[d] for d in a_free]
@@ -218,8 +217,8 @@ def _transpose_lhs(g, a_shape_ndim: int, b, dimension_numbers, contract, *, swap
     """Cotangent of ``a`` in ``dot_general(a, b)`` (``swap_ans``: of ``b`` in
     ``dot_general(b, a)`` with swapped dimension numbers)."""
     (a_contract, b_contract), (a_batch, b_batch) = dimension_numbers
-    a_kept = _free_dims(a_shape_ndim, a_contract, a_batch)
-    b_kept = _free_dims(b.ndim, b_contract, b_batch)
+    a_kept = free_dims(a_shape_ndim, a_contract, a_batch)
+    b_kept = free_dims(b.ndim, b_contract, b_batch)
     if swap_ans:
         ans_batch, ans_b, _ = _consecutive_ranges(a_batch, b_kept, a_kept)
     else:
@@ -321,8 +320,6 @@ def not_supported_reasons(a, b, *, platform: str, dimension_numbers, precision=N
     if preferred_element_type is not None and jnp.dtype(preferred_element_type) not in _common.FLOAT_DTYPES:
         reasons.append(f"preferred_element_type={jnp.dtype(preferred_element_type)} (the kernel "
                        "writes float32/bfloat16/float16)")
-    if math.prod(a.shape) == 0 or math.prod(b.shape) == 0:
-        reasons.append(f"zero-size operand {tuple(a.shape)} x {tuple(b.shape)}")
     del dimension_numbers
     return (reasons + _precision_reasons(precision, platform)
             + _common.too_large_reasons(a.shape, b.shape))

@@ -195,7 +195,7 @@ def _row_reduce_call(x2, op: str, target: Target, out_dtype) -> jax.Array:
         kernel = functools.partial(_row_kernel_triton, op=op, bo=bo, br=br)
         return pl.pallas_call(
             kernel, out_shape=jax.ShapeDtypeStruct((n_outer,), out_dtype),
-            grid=(_common.cdiv(n_outer, bo),), name=f"nxops_reduce_rows_{op}",
+            grid=(pl.cdiv(n_outer, bo),), name=f"nxops_reduce_rows_{op}",
             **_common.call_kwargs(target, num_warps=_common.num_warps_for(bo * br)),
         )(x2)
     br = _common.block_size(style, n_reduced, "cols", power_of_2=pow2, align=128)
@@ -206,7 +206,7 @@ def _row_reduce_call(x2, op: str, target: Target, out_dtype) -> jax.Array:
         out_shape=jax.ShapeDtypeStruct((n_outer, 1), out_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=0,
-            grid=(_common.cdiv(n_outer, bo), _common.cdiv(n_reduced, br)),
+            grid=(pl.cdiv(n_outer, bo), pl.cdiv(n_reduced, br)),
             in_specs=[pl.BlockSpec((bo, br), lambda i, j: (i, j))],
             out_specs=pl.BlockSpec((bo, 1), lambda i, j: (i, 0)),
             scratch_shapes=scratch),
@@ -270,7 +270,7 @@ def _column_reduce(x3, op: str, target: Target) -> jax.Array:
         return pl.pallas_call(
             functools.partial(_column_kernel_triton, op=op, br=br, bi=bi),
             out_shape=jax.ShapeDtypeStruct((n_outer, n_inner), x3.dtype),
-            grid=(n_outer, _common.cdiv(n_inner, bi)), name=f"nxops_reduce_columns_{op}",
+            grid=(n_outer, pl.cdiv(n_inner, bi)), name=f"nxops_reduce_columns_{op}",
             **_common.call_kwargs(target, num_warps=_common.num_warps_for(br * bi)),
         )(x3)
     br = _common.block_size(style, n_reduced, "rows", power_of_2=op == "prod", align=8)
@@ -281,7 +281,7 @@ def _column_reduce(x3, op: str, target: Target) -> jax.Array:
         out_shape=jax.ShapeDtypeStruct((n_outer, 1, n_inner), x3.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=0,
-            grid=(n_outer, _common.cdiv(n_inner, bi), _common.cdiv(n_reduced, br)),
+            grid=(n_outer, pl.cdiv(n_inner, bi), pl.cdiv(n_reduced, br)),
             in_specs=[pl.BlockSpec((None, br, bi), lambda o, k, j: (o, j, k))],
             out_specs=pl.BlockSpec((None, 1, bi), lambda o, k, j: (o, 0, k)),
             scratch_shapes=scratch),
@@ -390,8 +390,6 @@ def not_supported_reasons(x, *, platform: str, axes, op: str, **params) -> list[
                        "(integer and float64 reductions use xla)")
     elif platform == "tpu" and dtype == jnp.float16:
         reasons.append("float16 has no native TPU support; Pallas TPU reductions take f32/bf16")
-    if math.prod(x.shape) == 0:
-        reasons.append(f"zero-size input {tuple(x.shape)}: nothing for a kernel to do (xla returns the identity)")
     if op not in xla_reduce.REDUCE_OPS:
         reasons.append(f"unknown reduction {op!r}")
     del axes

@@ -54,7 +54,7 @@ def _tile_mosaic(x3, index, target: Target) -> jax.Array:
         out_shape=jax.ShapeDtypeStruct((n_outer, rows, lanes), x3.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
-            grid=(_common.cdiv(n_outer, bo), _common.cdiv(rows, br)),
+            grid=(pl.cdiv(n_outer, bo), pl.cdiv(rows, br)),
             in_specs=[pl.BlockSpec((bo, None, br, lanes), lambda o, r, idx: (o, idx[0], r, 0))],
             out_specs=pl.BlockSpec((bo, br, lanes), lambda o, r, idx: (o, r, 0))),
         name="nxops_tile",
@@ -82,7 +82,7 @@ def _tile_triton(x3, index, target: Target) -> jax.Array:
     return pl.pallas_call(
         functools.partial(_copy_kernel_triton, bo=bo, bl=bl),
         out_shape=jax.ShapeDtypeStruct((n_outer, tile_len), x3.dtype),
-        grid=(_common.cdiv(n_outer, bo), _common.cdiv(tile_len, bl)),
+        grid=(pl.cdiv(n_outer, bo), pl.cdiv(tile_len, bl)),
         name="nxops_tile",
         **_common.call_kwargs(target, num_warps=_common.num_warps_for(bo * bl)),
     )(index.reshape(1), x3)
@@ -146,8 +146,6 @@ def not_supported_reasons(x, index, *, platform: str, dim: int, count: int, **pa
     reasons = []
     if x.ndim == 0:
         reasons.append("a scalar has no dim to tile")
-    elif math.prod(x.shape) == 0:
-        reasons.append(f"zero-size input {tuple(x.shape)}")
     elif x.shape[dim % x.ndim] % count:
         reasons.append(f"dim {dim} of size {x.shape[dim % x.ndim]} is not divisible into {count} tiles")
     dtype = jnp.dtype(x.dtype)

@@ -6,10 +6,7 @@ import jax
 from jax import lax
 
 from nxops._jax import vma_checked
-from nxops.kernels._registry import Kernel, register
-
-ALL_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
-
+from nxops.kernels._registry import PLATFORMS, Kernel, register
 
 def all_gather(x: jax.Array, axis_name, *, axis: int, tiled: bool, platform: str = "cpu") -> jax.Array:
     """``lax.all_gather``: one all-gather over ``axis_name`` (a name or tuple).
@@ -34,10 +31,10 @@ def reduce_scatter(x: jax.Array, axis_name, *, scatter_dimension: int, tiled: bo
 
 
 ALL_GATHER = register(Kernel(
-    op="all_gather", backend="xla", platforms=ALL_PLATFORMS, fn=all_gather,
+    op="all_gather", backend="xla", platforms=PLATFORMS, fn=all_gather,
     description="XLA all-gather",
 ))
 REDUCE_SCATTER = register(Kernel(
-    op="reduce_scatter", backend="xla", platforms=ALL_PLATFORMS, fn=reduce_scatter,
+    op="reduce_scatter", backend="xla", platforms=PLATFORMS, fn=reduce_scatter,
     description="XLA reduce-scatter",
 ))

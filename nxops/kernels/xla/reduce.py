@@ -4,7 +4,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from nxops.kernels._registry import Kernel, register
+from nxops.kernels._registry import PLATFORMS, Kernel, register
 
 REDUCE_OPS = ("sum", "max", "min", "prod", "logsumexp")
 
@@ -30,6 +30,6 @@ def reduce(x: jax.Array, *, axes: tuple[int, ...], op: str, platform: str = "cpu
 
 
 KERNEL = register(Kernel(
-    op="reduce", backend="xla", platforms=("cpu", "cuda", "rocm", "tpu"), fn=reduce,
+    op="reduce", backend="xla", platforms=PLATFORMS, fn=reduce,
     description="jnp reductions (XLA reduce)",
 ))

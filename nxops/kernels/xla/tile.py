@@ -4,7 +4,7 @@ from __future__ import annotations
 import jax
 from jax import lax
 
-from nxops.kernels._registry import Kernel, register
+from nxops.kernels._registry import PLATFORMS, Kernel, register
 
 
 def tile(x: jax.Array, index: jax.Array, *, dim: int, count: int, platform: str = "cpu") -> jax.Array:
@@ -15,6 +15,6 @@ def tile(x: jax.Array, index: jax.Array, *, dim: int, count: int, platform: str 
 
 
 KERNEL = register(Kernel(
-    op="tile", backend="xla", platforms=("cpu", "cuda", "rocm", "tpu"), fn=tile,
+    op="tile", backend="xla", platforms=PLATFORMS, fn=tile,
     description="lax.dynamic_slice",
 ))
