@@ -1,0 +1,203 @@
+"""The differential oracle: random named programs x placements x
+transformations, each against its positional twin (tests/oracle/_programs.py)
+or against the same program with no resources. Resources never change results.
+
+A case is one program under one placement and one transformation. For speed,
+each hypothesis example draws a seed for a batch of programs (chains of 1-3
+ops that together use every op) and runs the batch as one xmap per
+(placement, transformation); every program keeps its own output and is
+compared on its own. Per-program gradients come from one jitted VJP called
+with a one-hot cotangent per program.
+
+Profiles: ``ci`` (default, derandomized) and ``local`` (NXOPS_ORACLE_PROFILE=local,
+more examples). NXOPS_ORACLE_OPS=sum,psum restricts the ops drawn.
+"""
+from __future__ import annotations
+
+import collections
+import os
+
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nxops as nx
+from tests.oracle import _programs as P
+
+# No shrinking: an example is a whole batch (minutes); a failure names its seed
+# and program, which reproduce it exactly.
+_NO_SHRINK = (hypothesis.Phase.explicit, hypothesis.Phase.reuse, hypothesis.Phase.generate)
+hypothesis.settings.register_profile("ci", max_examples=1, derandomize=True, deadline=None,
+                                     print_blob=True, phases=_NO_SHRINK)
+hypothesis.settings.register_profile("local", max_examples=20, deadline=None, print_blob=True,
+                                     phases=_NO_SHRINK)
+PROFILE = os.environ.get("NXOPS_ORACLE_PROFILE", "ci")
+PROGRAMS_PER_EXAMPLE = 48
+OP_NAMES = sorted(os.environ["NXOPS_ORACLE_OPS"].split(",")) if os.environ.get(
+    "NXOPS_ORACLE_OPS") else sorted(P.OPS)
+
+# (id, mesh shape and axis names or None, the axis name, axis_resources)
+PLACEMENTS = [
+    ("none", None, "a", {}),
+    ("mesh8", ((8,), ("x",)), "a", {"a": "x"}),
+    ("mesh2x4_minor", ((2, 4), ("x", "y")), "a", {"a": "y"}),
+    ("mesh2x4_both", ((2, 4), ("x", "y")), "a", {"a": ("x", "y")}),
+    ("mesh2x2x2_two", ((2, 2, 2), ("x", "y", "z")), "a", {"a": ("y", "z")}),
+    ("auto_mesh8", ((8,), ("x",), "auto"), "a", {"a": "x"}),
+    ("loop", None, "a", {"a": "loop2"}),
+    ("mesh_and_loop", ((2, 4), ("x", "y")), "a", {"a": ("y", "loop2")}),
+    ("name_spelled_like_mesh_axis", ((2, 4), ("x", "y")), "x", {"x": "y"}),
+]
+TRANSFORMS = ("forward", "forward_nan", "jit", "vmap", "grad_outside", "grad_inside")
+COUNTS: collections.Counter = collections.Counter()
+
+def draw_programs(seed: int, count: int = PROGRAMS_PER_EXAMPLE) -> list[tuple[str, ...]]:
+    """``count`` distinct chains of 1-3 ops; the ops cycle through a shuffled
+    vocabulary, so every op appears in every batch (when count allows)."""
+    rng = np.random.default_rng(seed)
+    pool, programs = [], []
+    while len(programs) < count:
+        if len(pool) < 3:
+            pool += list(rng.permutation(OP_NAMES))
+        length = int(rng.integers(1, 4))
+        program, pool = tuple(str(op) for op in pool[:length]), pool[length:]
+        if program not in programs:
+            programs.append(program)
+    return programs
+
+
+def _mesh(spec):
+    if spec is None:
+        return None
+    shape, names, *kind = spec
+    types = (jax.sharding.AxisType.Auto,) * len(names) if kind else None
+    return jax.make_mesh(shape, names, axis_types=types)
+
+
+def _resources(resources):
+    return {k: tuple(nx.SerialLoop(2) if r == "loop2" else r
+                     for r in (v if isinstance(v, tuple) else (v,)))
+            for k, v in resources.items()}
+
+
+def _xmap(programs, name, resources, inside_grad=False):
+    bodies = [P.named_program(ops, name) for ops in programs]
+    if inside_grad:   # jax.grad inside the body, per program
+        bodies = [(lambda b: lambda x, y, k: jax.grad(lambda x: jnp.sum(b(x, y, k) * (y + 2)))(x))(b)
+                  for b in bodies]
+
+    def body(x, y, key):
+        return tuple(b(x, y, key) for b in bodies)
+    return nx.xmap(body, ([name, ...], [name, ...], [...]), [[name, ...]] * len(programs),
+                   axis_resources=_resources(resources))
+
+
+def _close(got, want, what):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-4,
+                               equal_nan=True, err_msg=what)
+
+
+def _check_forward(programs, f, X, Y, key, tag, wrap=lambda f: f):
+    got = wrap(f)(X, Y, key)
+    for ops, out in zip(programs, got):
+        _close(out, P.positional_program(ops)(X, Y, key), f"{tag} {ops}")
+        COUNTS[tag] += 1
+
+
+def _check_vmap(programs, f, X, Y, key, tag):
+    X2 = jnp.stack([X, X[::-1] * 0.9])
+    got = jax.vmap(f, in_axes=(0, None, None))(X2, Y, key)
+    for ops, out in zip(programs, got):
+        want = jax.vmap(P.positional_program(ops), in_axes=(0, None, None))(X2, Y, key)
+        _close(out, want, f"{tag} {ops}")
+        COUNTS[tag] += 1
+
+
+def _per_program_grads(fn, n_outputs, X, Y, key):
+    out, vjp = jax.vjp(lambda X: fn(X, Y, key), X)
+    vjp = jax.jit(vjp)
+    cots = [jnp.zeros_like(o) for o in out]
+    grads = []
+    for i in range(n_outputs):
+        ct = list(cots)
+        ct[i] = jax.device_put(Y + 2.0, out[i].sharding)   # position-dependent; typed like out
+        (g,) = vjp(tuple(ct))
+        grads.append(g)
+    return grads
+
+
+def _check_grad_outside(programs, f, X, Y, key, tag):
+    got = _per_program_grads(f, len(programs), X, Y, key)
+    for ops, g in zip(programs, got):
+        want = jax.grad(lambda X: jnp.sum(P.positional_program(ops)(X, Y, key) * (Y + 2.0)))(X)
+        _close(g, want, f"{tag} {ops}")
+        COUNTS[tag] += 1
+
+
+def _run_placement(programs, placement, data, reference_inside):
+    pid, mesh_spec, name, resources = placement
+    X, Y, key = data
+    mesh = _mesh(mesh_spec)
+    looped = any("loop2" in (v if isinstance(v, tuple) else (v,)) for v in resources.values())
+    context = jax.set_mesh(mesh) if mesh is not None else _nullcontext()
+    with context:
+        if looped:   # collectives over a serial loop are refused; the rest must run
+            refused = [p for p in programs if P.uses_collectives(p)]
+            for ops in refused:
+                with pytest.raises(nx.NxopsError, match="serial loop"):
+                    _xmap([ops], name, resources)(X, Y, key)
+                COUNTS[f"refused:{pid}"] += 1
+            programs = [p for p in programs if not P.uses_collectives(p)]
+            if not programs:
+                return
+        f = _xmap(programs, name, resources)
+        _check_forward(programs, f, X, Y, key, f"forward:{pid}")
+        Xn, Yn, keyn = P.inputs(7, nan=True)
+        _check_forward(programs, f, Xn, Yn, keyn, f"forward_nan:{pid}")
+        _check_forward(programs, f, X, Y, key, f"jit:{pid}", wrap=jax.jit)
+        _check_vmap(programs, f, X, Y, key, f"vmap:{pid}")
+        _check_grad_outside(programs, f, X, Y, key, f"grad_outside:{pid}")
+        inside = _xmap(programs, name, resources, inside_grad=True)(X, Y, key)
+        for ops, got in zip(programs, inside):
+            _close(got, reference_inside[ops], f"grad_inside:{pid} {ops}")
+            COUNTS[f"grad_inside:{pid}"] += 1
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _grad_inside_reference(programs, data):
+    """jax.grad inside the body with no resources: what every placement must give."""
+    out = _xmap(programs, "a", {}, inside_grad=True)(*data)
+    return dict(zip(programs, out))
+
+
+@hypothesis.settings(hypothesis.settings.get_profile(PROFILE))
+@hypothesis.given(seed=st.integers(0, 2**31 - 1))
+def test_resources_never_change_results(seed):
+    programs = draw_programs(seed)
+    data = P.inputs(seed % 2**16)
+    reference_inside = _grad_inside_reference(programs, data)
+    for placement in PLACEMENTS:
+        _run_placement(programs, placement, data, reference_inside)
+
+
+def test_oracle_case_counts():
+    """Runs after the oracle (same module): prints and checks the case counts."""
+    by_transform = collections.Counter()
+    for key, n in COUNTS.items():
+        by_transform[key.split(":")[0]] += n
+    total = sum(COUNTS.values())
+    print(f"\noracle cases: {total} ({dict(sorted(by_transform.items()))})")
+    for key, n in sorted(COUNTS.items()):
+        print(f"  {key}: {n}")
+    if PROFILE == "ci" and not os.environ.get("NXOPS_ORACLE_OPS"):
+        assert total >= 2000, f"the ci profile must check at least 2000 cases, got {total}"
