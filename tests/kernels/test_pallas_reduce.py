@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import nxops as nx
+
 from nxops._errors import NxopsError
 from nxops.kernels import _registry
 from nxops.kernels.pallas import _common, reduce as pallas_reduce
@@ -176,7 +178,8 @@ def test_registry_takes_pallas_or_falls_back_with_a_reason(dtype, platform, unsu
             is pallas_reduce.KERNEL
 
 
-def test_zero_size_input_is_declared_unsupported():
-    reasons = pallas_reduce.not_supported_reasons(jax.ShapeDtypeStruct((0, 3), jnp.float32),
-                                                  platform="cuda", axes=(0,), op="sum")
-    assert any("zero-size" in r for r in reasons)
+def test_zero_size_input_takes_the_reference_even_when_pallas_is_requested():
+    # The registry answers zero-size cases before asking any kernel.
+    choice = nx.kernels.choose("reduce", "cuda", nx.kernels.parse_selection("pallas"),
+                               (jax.ShapeDtypeStruct((0, 3), jnp.float32),), axes=(0,), op="sum")
+    assert choice.kernel.backend == "xla" and "zero-size" in choice.describe()
