@@ -17,6 +17,7 @@ writes ``bench/static/GPU.md`` for the bench shapes.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -49,13 +50,14 @@ class Arch:
     smem_reserved_per_cta: int = 1024
     bandwidth: float = 0.0  # bytes/s
     tensor_flops: float = 0.0   # dense bf16 FLOP/s
+    compute_capability: int = 90
 
 
 ARCHS = {
     "h100": Arch("H100 SXM", "h100_sxm.txtpb", "sm_90a", 132, 233472,
                  bandwidth=3.35e12, tensor_flops=989e12),
     "a100": Arch("A100 SXM 80GB", "a100_sxm.txtpb", "sm_80", 108, 167936,
-                 bandwidth=2.039e12, tensor_flops=312e12),
+                 bandwidth=2.039e12, tensor_flops=312e12, compute_capability=80),
 }
 
 
@@ -120,11 +122,61 @@ def compile_gpu(fn: Callable, *args: jax.ShapeDtypeStruct, arch: str = "h100",
     placed = [a if getattr(a, "sharding", None) is not None else
               jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, PartitionSpec()))
               for a in args]
-    with tempfile.TemporaryDirectory() as dump, jax.set_mesh(mesh):
+    with tempfile.TemporaryDirectory() as dump, jax.set_mesh(mesh), \
+            _triton_kernels_dumped(pathlib.Path(dump) / "triton", ARCHS[arch]) as launches:
         compiled = jax.jit(fn).trace(*placed).lower().compile(
             compiler_options={"xla_dump_to": dump})
         kernels = _read_dump(pathlib.Path(dump), ARCHS[arch])
+        kernels += _read_triton_dump(pathlib.Path(dump) / "triton", launches, ARCHS[arch])
     return GpuCompileReport(ARCHS[arch], compiled, compiled.as_text(), kernels)
+
+
+@contextlib.contextmanager
+def _triton_kernels_dumped(dump: pathlib.Path, arch: Arch):
+    """nxops' Triton kernels (jax-triton custom calls, compiled to PTX while
+    lowering, not by XLA) built for ``arch`` and dumped under ``dump``."""
+    try:
+        from jax_triton import triton_lib
+        from nxops.kernels.triton import _launch
+    except ImportError:   # the triton extra is not installed: no such kernels
+        yield []
+        return
+    saved = triton_lib._JAX_TRITON_DUMP_DIR
+    triton_lib._JAX_TRITON_DUMP_DIR = str(dump)
+    triton_lib._COMPILED_KERNEL_CACHE.clear()   # compiled kernels are dumped when built
+    try:
+        with _launch.compiling_for(arch.compute_capability), _launch.recording_launches() as rec:
+            yield rec
+    finally:
+        triton_lib._JAX_TRITON_DUMP_DIR = saved
+
+
+def _read_triton_dump(dump: pathlib.Path, launches, arch: Arch) -> list[KernelStats]:
+    """One KernelStats per recorded launch: grid and warps from the launch,
+    PTX and shared memory from jax-triton's dump of the kernel it built (its
+    ``config`` names the function, constexprs, warps and stages)."""
+    built = []   # (config text, ptx, shared memory) per compiled kernel
+    for config in sorted(dump.glob("*/config")):
+        ptx = next(config.parent.glob("*.ptx")).read_text()
+        info = next(config.parent.glob("*.compile_info")).read_text()
+        built.append((config.read_text(), ptx, int(info.rsplit(":", 1)[1])))
+
+    def made_by(launch, config: str) -> bool:
+        return (f":{launch.kernel})" in config
+                and f"num_warps={launch.num_warps}," in config
+                and f"num_stages={launch.num_stages}," in config
+                and all(repr(item) in config for item in launch.constexprs))
+
+    stats = []
+    for launch in launches:
+        (_, ptx, smem), *_ = [b for b in built if made_by(launch, b[0])]
+        ((regs, stores, loads, static),) = _ptxas(ptx, arch.sm_name).values()
+        tensor_core = next(iter(_tensor_core_instructions(ptx).values()), None)
+        threads = (32 * launch.num_warps, 1, 1)
+        grid = tuple(launch.grid) + (1,) * (3 - len(launch.grid))
+        stats.append(KernelStats(launch.name, grid, threads, smem, regs, stores, loads, static,
+                                 tensor_core, _ctas_per_sm(arch, threads, regs, smem + static)))
+    return stats
 
 
 _LAUNCH = re.compile(r"(\S+) grid: \[(\d+), (\d+), (\d+)\] threads: \[(\d+), (\d+), (\d+)\]"

@@ -183,9 +183,9 @@ def output_dtype(a, b, dimension_numbers, preferred_element_type):
         jax.ShapeDtypeStruct(a.shape, a.dtype), jax.ShapeDtypeStruct(b.shape, b.dtype)).dtype
 
 
-def dot_general_forward(a, b, dimension_numbers, precision, preferred_element_type,
-                        target: Target) -> jax.Array:
-    """The kernel path of :func:`dot_general` (no custom VJP)."""
+def as_batched_matmul(a, b, dimension_numbers, preferred_element_type, matmul) -> jax.Array:
+    """``lax.dot_general(a, b, dimension_numbers)`` computed by ``matmul(a3, b3,
+    out_dtype)`` on ``[B, M, K] x [B, K, N]`` views (shared by the backends)."""
     (a_contract, b_contract), (a_batch, b_batch) = dimension_numbers
     a_free = free_dims(a.ndim, a_contract, a_batch)
     b_free = free_dims(b.ndim, b_contract, b_batch)
@@ -198,8 +198,16 @@ def dot_general_forward(a, b, dimension_numbers, precision, preferred_element_ty
         n_batch, math.prod(a_free_shape), n_k)
     b3 = _transpose_if_needed(b, [*b_batch, *b_contract, *b_free]).reshape(
         n_batch, n_k, math.prod(b_free_shape))
-    out = batched_matmul(a3, b3, out_dtype, precision, target)
+    out = matmul(a3, b3, out_dtype)
     return out.reshape(*batch_shape, *a_free_shape, *b_free_shape)
+
+
+def dot_general_forward(a, b, dimension_numbers, precision, preferred_element_type,
+                        target: Target) -> jax.Array:
+    """The kernel path of :func:`dot_general` (no custom VJP)."""
+    return as_batched_matmul(
+        a, b, dimension_numbers, preferred_element_type,
+        lambda a3, b3, out_dtype: batched_matmul(a3, b3, out_dtype, precision, target))
 
 
 # ---------------------------------------------------------------------------
@@ -240,21 +248,26 @@ def _dot_general_fwd(a, b, dimension_numbers, precision, preferred_element_type,
     return out, (a, b)
 
 
+def dot_general_transpose(a, b, g, dimension_numbers, contract):
+    """The cotangents ``(da, db)`` of ``dot_general(a, b)`` for ``g``, each a
+    contraction computed by ``contract(x, y, dims)`` (JAX's transpose rule)."""
+    (a_contract, b_contract), (a_batch, b_batch) = dimension_numbers
+    swapped = ((b_contract, a_contract), (b_batch, a_batch))
+    da = _transpose_lhs(g, a.ndim, b, dimension_numbers, contract, swap_ans=False)
+    db = _transpose_lhs(g, b.ndim, a, swapped, contract, swap_ans=True)
+    return da.astype(a.dtype), db.astype(b.dtype)
+
+
 def _dot_general_bwd(dimension_numbers, precision, preferred_element_type, platform, style,
                      residuals, g):
     del preferred_element_type
-    a, b = residuals
     target = _common.target_for(platform, style)
 
     def contract(x, y, dims):
         common = jnp.promote_types(x.dtype, y.dtype)
         return dot_general_forward(x.astype(common), y.astype(common), dims, precision, F32, target)
 
-    (a_contract, b_contract), (a_batch, b_batch) = dimension_numbers
-    swapped = ((b_contract, a_contract), (b_batch, a_batch))
-    da = _transpose_lhs(g, a.ndim, b, dimension_numbers, contract, swap_ans=False)
-    db = _transpose_lhs(g, b.ndim, a, swapped, contract, swap_ans=True)
-    return da.astype(a.dtype), db.astype(b.dtype)
+    return dot_general_transpose(*residuals, g, dimension_numbers, contract)
 
 
 _dot_general.defvjp(_dot_general_fwd, _dot_general_bwd)

@@ -1,2 +1,21 @@
-"""The ``triton`` backend: Triton kernels through jax-triton (GPU only).
-Registered only when jax-triton is installed."""
+"""The ``triton`` backend: Triton kernels, compiled through jax-triton on cuda
+and run by Triton's interpreter on cpu (see README.md here).
+
+With triton missing, the ops are still registered, with the install hint as
+the reason they cannot run: ``explain`` and an explicit ``NXOPS_KERNELS=triton``
+then say what to install instead of "none is registered"."""
+from nxops.kernels.triton._common import PLATFORMS, missing_packages
+
+if missing_packages("cpu"):
+    from nxops.kernels._registry import Kernel, register
+
+    def _unavailable(*avals, platform, **params):
+        del avals, params
+        return missing_packages(platform)
+
+    for _op in ("reduce", "dot_general", "tile"):
+        register(Kernel(op=_op, backend="triton", platforms=PLATFORMS, fn=None,
+                        not_supported_reasons=_unavailable,
+                        description="Triton kernel (not installed)"))
+else:
+    from nxops.kernels.triton import dot_general, reduce, tile  # noqa: F401  (registers)

@@ -33,3 +33,23 @@ KERNEL = register(Kernel(
     op="reduce", backend="xla", platforms=PLATFORMS, fn=reduce,
     description="jnp reductions (XLA reduce)",
 ))
+
+
+def reduce_vjp(x: jax.Array, out: jax.Array, g: jax.Array, *, axes: tuple[int, ...],
+               op: str) -> jax.Array:
+    """The cotangent of ``x`` in ``out = reduce(x, axes=axes, op=op)``, as JAX
+    differentiates the ``jnp`` reductions (kernels reuse it as their VJP).
+    ``axes`` are sorted and non-negative."""
+    expand = lambda v: jnp.expand_dims(v, axes)  # noqa: E731
+    if op == "sum":
+        dx = jnp.broadcast_to(expand(g), x.shape)
+    elif op in ("max", "min"):
+        # As JAX's reduce_max/min JVP: ties share the cotangent equally.
+        hits = (x == expand(out)).astype(g.dtype)
+        dx = hits * expand(g / jnp.sum(hits, axis=axes))
+    elif op == "logsumexp":
+        dx = expand(g) * jnp.exp(x - expand(out))
+    else:  # prod: the reference's own VJP handles zeros exactly
+        _, vjp = jax.vjp(lambda v: reduce(v, axes=axes, op=op), x)
+        (dx,) = vjp(g)
+    return dx.astype(x.dtype)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from nxops.kernels._registry import PLATFORMS, Kernel, register
@@ -18,3 +19,18 @@ KERNEL = register(Kernel(
     op="tile", backend="xla", platforms=PLATFORMS, fn=tile,
     description="lax.dynamic_slice",
 ))
+
+
+def effective_index(index, count: int) -> jax.Array:
+    """The tile ``dynamic_slice`` takes for ``index``: a negative start counts
+    from the end (``index + count``), then the start is clamped into range."""
+    index = jnp.asarray(index, jnp.int32)
+    return jnp.clip(jnp.where(index < 0, index + count, index), 0, count - 1)
+
+
+def tile_vjp(shape, index, g: jax.Array, *, dim: int, count: int) -> jax.Array:
+    """The cotangent of ``x`` (of ``shape``) in ``tile(x, index)``: ``g`` at
+    the tile, zeros elsewhere (kernels reuse it as their VJP)."""
+    dim = dim % len(shape)
+    start = effective_index(index, count) * (shape[dim] // count)
+    return lax.dynamic_update_slice_in_dim(jnp.zeros(shape, g.dtype), g, start, axis=dim)

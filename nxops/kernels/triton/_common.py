@@ -1,0 +1,40 @@
+"""Shared pieces of the Triton kernels: platforms, sizes, dtype checks."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from nxops.kernels.pallas._common import FLOAT_DTYPES, next_power_of_2, too_large_reasons  # noqa: F401
+
+# cuda: compiled through jax-triton; cpu: Triton's interpreter (for tests).
+PLATFORMS = ("cpu", "cuda")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def num_warps_for(elements: int) -> int:
+    """Warps for a block of ``elements`` values: about 16 per thread, 1 to 8."""
+    return max(1, min(8, next_power_of_2(elements) // 512))
+
+
+def float_dtype_reasons(what: str, *dtypes) -> list[str]:
+    """A reason for each dtype the kernels do not take (they accumulate in f32)."""
+    return [f"{what} take float32/bfloat16/float16, not {jnp.dtype(d)} (integer and float64 "
+            "cases use xla)" for d in dict.fromkeys(jnp.dtype(d) for d in dtypes)
+            if d not in FLOAT_DTYPES]
+
+
+def _importable(module: str) -> bool:
+    import importlib.util  # noqa: PLC0415
+    return importlib.util.find_spec(module) is not None
+
+
+def missing_packages(platform: str) -> list[str]:
+    """Why the backend cannot run on ``platform`` for lack of a package
+    (triton everywhere; jax-triton to compile on cuda)."""
+    if not _importable("triton"):
+        return ["triton is not installed: pip install 'nxops[triton]' (or nxops[gpu])"]
+    if platform == "cuda" and not _importable("jax_triton"):
+        return ["jax-triton is not installed: pip install 'nxops[gpu]'"]
+    return []

@@ -1,0 +1,113 @@
+"""One launch path for every Triton kernel of the backend.
+
+``launch(kernel, *args, out_shape=..., grid=..., platform=...)`` compiles the
+kernel through ``jax_triton.triton_call`` on cuda, and runs it in Triton's
+interpreter (``_interpreter.run`` inside ``jax.pure_callback``) on cpu. Both
+take the arguments in jax-triton's order: arrays and Python scalars, then the
+outputs, then the ``constexprs``.
+
+On cuda the compute capability decides the kernel's configuration (see
+``dot_general.CONFIGS``) and what Triton compiles for. It is the device's,
+unless :func:`compiling_for` names one: that is how the deviceless compile
+harness (``bench/static/gpu.py``) builds for an H100 or A100 with no GPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+from typing import Any, Iterator, Sequence
+
+import jax
+import numpy as np
+
+from nxops._jax import config as _jax_config
+from nxops.kernels.triton import _interpreter
+
+# 0: ask the device. Part of the jit key: compiling for another GPU retraces.
+_COMPUTE_CAPABILITY = _jax_config.int_state(
+    "nxops_cuda_compute_capability", 0,
+    "The CUDA compute capability nxops' Triton kernels are built for (0: the device's).",
+    include_in_jit_key=True, include_in_trace_context=True)
+
+DEFAULT_COMPUTE_CAPABILITY = 90   # with no device to ask: an H100
+
+
+@contextlib.contextmanager
+def compiling_for(compute_capability: int) -> Iterator[None]:
+    """Builds the Triton kernels traced in the block for ``compute_capability``
+    (e.g. 90 for H100, 80 for A100), with or without such a device."""
+    with _COMPUTE_CAPABILITY(int(compute_capability)):
+        yield
+
+
+@functools.cache
+def _device_compute_capability() -> int | None:
+    try:
+        device = jax.devices("cuda")[0]
+    except RuntimeError:  # no cuda backend
+        return None
+    major, _, minor = str(getattr(device, "compute_capability", "")).partition(".")
+    return int(major) * 10 + int(minor or 0) if major.isdigit() else None
+
+
+def compute_capability() -> int:
+    """The compute capability the kernels are being built for."""
+    return (_COMPUTE_CAPABILITY.value or _device_compute_capability()
+            or DEFAULT_COMPUTE_CAPABILITY)
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One kernel launch, as traced (for the compile harness's tables)."""
+
+    name: str             # the custom call's name
+    kernel: str           # the @triton.jit function's name (the PTX entry)
+    grid: tuple[int, ...]
+    num_warps: int
+    num_stages: int
+    constexprs: tuple[tuple[str, Any], ...]
+
+
+_RECORDS: contextvars.ContextVar[list[Launch] | None] = contextvars.ContextVar(
+    "nxops_triton_launches", default=None)
+
+
+@contextlib.contextmanager
+def recording_launches() -> Iterator[list[Launch]]:
+    """Lists every launch traced in the block (jit traces anew inside it only
+    if its cache misses: use a fresh function or a new compute capability)."""
+    token = _RECORDS.set([])
+    try:
+        yield _RECORDS.get()
+    finally:
+        _RECORDS.reset(token)
+
+
+def launch(kernel, *args: Any, out_shape: Sequence[jax.ShapeDtypeStruct], grid: Sequence[int],
+           platform: str, name: str, num_warps: int = 4, num_stages: int = 2,
+           **constexprs: Any) -> list[jax.Array]:
+    """Runs ``kernel`` over ``grid``; returns its outputs (a list)."""
+    out_shape = list(out_shape)
+    records = _RECORDS.get()
+    if records is not None:
+        records.append(Launch(name, kernel.fn.__name__, tuple(grid), num_warps, num_stages,
+                              tuple(sorted(constexprs.items()))))
+    if platform == "cuda":
+        import jax_triton  # noqa: PLC0415  (only the cuda path needs it)
+        outs = jax_triton.triton_call(
+            *args, kernel=kernel, out_shape=out_shape, grid=tuple(grid), name=name,
+            num_warps=num_warps, num_stages=num_stages,
+            compute_capability=compute_capability(), **constexprs)
+        return list(outs)
+    arrays = [a for a in args if isinstance(a, jax.Array) or hasattr(a, "aval")]
+    positions = [i for i, a in enumerate(args) if isinstance(a, jax.Array) or hasattr(a, "aval")]
+
+    def on_host(*host_arrays):
+        full = list(args)
+        for i, array in zip(positions, host_arrays):
+            full[i] = np.asarray(array)
+        return _interpreter.run(kernel, grid, full, out_shape, constexprs)
+
+    return list(jax.pure_callback(on_host, out_shape, *arrays))

@@ -1,0 +1,120 @@
+"""Triton tile: this position's tile of a replicated array (no communication).
+
+Reference: :func:`nxops.kernels.xla.tile.tile`
+(``lax.dynamic_slice_in_dim(x, index * size, size, dim)``, ``size = x.shape[dim] // count``).
+
+As the Pallas kernel, the wrapper views ``x`` as ``[outer, count, tile_len]``
+(a free reshape) and copies ``x[:, index, :]``: program ``(o, l)`` copies a
+``[BO, BL]`` block. The index arrives as a one-element array (it is traced:
+``axis_index``), and the kernel itself takes it as ``dynamic_slice`` takes a
+start (negative from the end, then clamped), so no XLA op runs before it.
+Gradient: the cotangent placed at the tile (``xla.tile.tile_vjp``).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import triton
+import triton.language as tl
+
+from nxops.kernels._registry import Kernel, register
+from nxops.kernels.triton import _batching, _common
+from nxops.kernels.triton._common import cdiv
+from nxops.kernels.triton._launch import launch
+from nxops.kernels.xla import tile as xla_tile
+
+MAX_BLOCK = 4096
+MAX_ROW_BLOCK = 1024
+
+
+@triton.jit
+def _tile_kernel(x_ptr, index_ptr, n_outer, count, tile_len, o_ptr,
+                 BO: tl.constexpr, BL: tl.constexpr):
+    o, l = tl.program_id(0), tl.program_id(1)
+    index = tl.load(index_ptr)
+    index = tl.where(index < 0, index + count, index)
+    index = tl.minimum(tl.maximum(index, 0), count - 1)
+    rows = o * BO + tl.arange(0, BO)
+    cols = l * BL + tl.arange(0, BL)
+    mask = (rows[:, None] < n_outer) & (cols[None, :] < tile_len)
+    src = x_ptr + (rows[:, None].to(tl.int64) * count + index) * tile_len + cols[None, :]
+    dst = o_ptr + rows[:, None].to(tl.int64) * tile_len + cols[None, :]
+    tl.store(dst, tl.load(src, mask=mask), mask=mask)
+
+
+def _tile3(x3, index, platform: str) -> jax.Array:
+    n_outer, count, tile_len = x3.shape
+    bl = min(_common.next_power_of_2(tile_len), MAX_ROW_BLOCK)
+    bo = max(1, min(_common.next_power_of_2(n_outer), MAX_BLOCK // bl))
+    (out,) = launch(
+        _tile_kernel, x3, jnp.asarray(index, jnp.int32).reshape(1), n_outer, count, tile_len,
+        out_shape=[jax.ShapeDtypeStruct((n_outer, tile_len), x3.dtype)],
+        grid=(cdiv(n_outer, bo), cdiv(tile_len, bl)), platform=platform, name="nxops_triton_tile",
+        num_warps=_common.num_warps_for(bo * bl), BO=bo, BL=bl)
+    return out
+
+
+def tile_forward(x, index, dim: int, count: int, platform: str) -> jax.Array:
+    """The kernel path of :func:`tile` (no custom rules)."""
+    size = x.shape[dim] // count
+    out_shape = x.shape[:dim] + (size,) + x.shape[dim + 1:]
+    x3 = x.reshape(math.prod(x.shape[:dim]), count, size * math.prod(x.shape[dim + 1:]))
+    return _tile3(x3, index, platform).reshape(out_shape)
+
+
+def _batched_forward(x, index, dim, count, platform):
+    """``tile_forward`` under vmap: a batched ``x`` with one index folds the
+    vmapped dim into ``outer``; per-example indices take one launch each."""
+    def batched(xs, indices):
+        return jax.lax.map(lambda xi: _batched_forward(*xi, dim, count, platform), (xs, indices))
+
+    return _batching.vmappable(
+        lambda v, i: tile_forward(v, i, dim, count, platform), batched)(x, index)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _tile(x, index, dim, count, platform):
+    return _batched_forward(x, index, dim, count, platform)
+
+
+def _tile_fwd(x, index, dim, count, platform):
+    return _tile(x, index, dim, count, platform), (x.shape, index)
+
+
+def _tile_bwd(dim, count, platform, residuals, g):
+    del platform
+    shape, index = residuals
+    return xla_tile.tile_vjp(shape, index, g, dim=dim, count=count), None
+
+
+_tile.defvjp(_tile_fwd, _tile_bwd)
+
+
+def tile(x: jax.Array, index: jax.Array, *, dim: int, count: int, platform: str = "cpu") -> jax.Array:
+    """Tile number ``index`` of ``count`` equal tiles of ``x`` along ``dim``, as
+    a Triton copy kernel (see the module docstring). Differentiable in ``x``."""
+    return _tile(x, index, dim % x.ndim, count, platform)
+
+
+def not_supported_reasons(x, index, *, platform: str, dim: int, count: int, **params) -> list[str]:
+    """Why the Triton tile cannot take this case (empty: it can)."""
+    del index, params
+    reasons = _common.missing_packages(platform)
+    if x.ndim == 0:
+        reasons.append("a scalar has no dim to tile")
+    elif x.shape[dim % x.ndim] % count:
+        reasons.append(f"dim {dim} of size {x.shape[dim % x.ndim]} is not divisible into {count} tiles")
+    dtype = jnp.dtype(x.dtype)
+    if dtype.itemsize not in (2, 4) or dtype == jnp.bool_:
+        reasons.append(f"dtype {dtype}: the Triton tile copies 16- and 32-bit elements")
+    return reasons + _common.too_large_reasons(x.shape)
+
+
+KERNEL = register(Kernel(
+    op="tile", backend="triton", platforms=_common.PLATFORMS, fn=tile,
+    not_supported_reasons=not_supported_reasons,
+    description="Triton strided copy of one tile, index clamped in the kernel",
+))
