@@ -15,7 +15,8 @@ BASELINE = "baseline"
 IMPLEMENTATIONS = (BASELINE,) + tuple(nx.kernels.BACKENDS)
 
 # Sizes each platform runs. Pallas (and the Pallas collectives) run in
-# interpret mode on CPU: correct but slow, so only the small size there.
+# interpret mode on CPU, Triton kernels in Triton's interpreter: correct but
+# slow, so only the small size there.
 ACCELERATOR_ONLY_SIZES = ("large",)
 INTERPRETED_SIZES = ("small",)
 
@@ -34,8 +35,9 @@ def skip_reason(op: str, backend: str, size: str, platform: str, avals=(),
         return f"nxops has no {backend!r} kernel for {op!r} (registered: {', '.join(sorted(kernels))})"
     if platform not in kernel.platforms:
         return f"the {backend!r} {op} kernel runs on {', '.join(kernel.platforms)}, not {platform}"
-    if backend == "pallas" and platform == "cpu" and size not in INTERPRETED_SIZES:
-        return f"Pallas runs in interpret mode on CPU: only sizes {INTERPRETED_SIZES} there"
+    if backend in ("pallas", "triton") and platform == "cpu" and size not in INTERPRETED_SIZES:
+        return (f"{backend} runs interpreted on CPU (Pallas interpret mode / Triton's "
+                f"interpreter): only sizes {INTERPRETED_SIZES} there")
     reasons = kernel.not_supported_reasons(*avals, platform=platform, **(params or {})) if avals else ()
     if reasons:
         return f"the {backend!r} {op} kernel cannot take this case: {'; '.join(reasons)}"

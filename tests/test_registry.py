@@ -83,10 +83,32 @@ def test_auto_picks_xla_on_cpu_and_explicit_missing_backend_raises():
     choice = _registry.choose("reduce", "cpu", nx.kernels.parse_selection("auto"), (aval,),
                               axes=(1,), op="sum")
     assert choice.kernel.backend == "xla"
-    if not any(k.backend == "triton" for k in nx.kernels.registered("reduce")):
+    saved = dict(_registry._KERNELS)
+    try:
+        del _registry._KERNELS[("reduce", "triton")]
         with pytest.raises(nx.NxopsError, match="'triton' implementation of 'reduce'.*none is registered"):
             _registry.choose("reduce", "cuda", nx.kernels.parse_selection("triton"), (aval,),
                              axes=(1,), op="sum")
+    finally:
+        _registry._KERNELS.clear()
+        _registry._KERNELS.update(saved)
+
+
+@pytest.mark.parametrize("missing, platform, hint", [
+    ("jax_triton", "cuda", "jax-triton is not installed: pip install 'nxops\\[gpu\\]'"),
+    ("triton", "cpu", "triton is not installed: pip install 'nxops\\[triton\\]'"),
+])
+def test_triton_backend_names_the_missing_package(monkeypatch, missing, platform, hint):
+    from nxops.kernels.triton import _common as triton_common
+    real = triton_common._importable
+    monkeypatch.setattr(triton_common, "_importable", lambda m: m != missing and real(m))
+    aval = jax.typeof(jnp.ones((3, 4)))
+    with pytest.raises(nx.NxopsError, match=hint):
+        _registry.choose("reduce", platform, nx.kernels.parse_selection("triton"), (aval,),
+                         axes=(1,), op="sum")
+    auto = _registry.choose("reduce", platform, nx.kernels.parse_selection("auto"), (aval,),
+                            axes=(1,), op="sum")
+    assert auto.kernel.backend != "triton"
 
 
 def test_explicit_backend_that_cannot_take_a_case_raises_with_reasons():
@@ -190,3 +212,21 @@ def test_explain_for_another_platform_covers_collectives():
         with nx.kernels.use("collective=pallas"):
             report = nx.kernels.explain(fn, x, platform="tpu")
     assert report.platform == "tpu" and report.backends() == {"all_gather": {"pallas"}}
+
+
+@pytest.mark.parametrize("op, params", [
+    ("reduce", dict(axes=(1,), op="sum")),
+    ("dot_general", dict(dimension_numbers=(((1,), (0,)), ((), ())))),
+    ("tile", dict(dim=0, count=2)),
+])
+def test_auto_on_cuda_prefers_triton_then_pallas(monkeypatch, op, params):
+    aval = jax.typeof(jnp.ones((4, 4)))
+    avals = {"reduce": (aval,), "dot_general": (aval, aval),
+             "tile": (aval, jax.typeof(jnp.int32(0)))}[op]
+    auto = nx.kernels.parse_selection("auto")
+    assert _registry.choose(op, "cuda", auto, avals, **params).kernel.backend == "triton"
+    from nxops.kernels.triton import _common as triton_common
+    monkeypatch.setattr(triton_common, "_importable", lambda m: m != "jax_triton")
+    choice = _registry.choose(op, "cuda", auto, avals, **params)
+    assert choice.kernel.backend == "pallas"
+    assert "jax-triton is not installed" in choice.describe()

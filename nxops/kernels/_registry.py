@@ -45,10 +45,21 @@ AUTO_PREFERENCE: dict[str, tuple[str, ...]] = {
     "rocm": ("pallas", "xla"),
     "tpu": ("pallas", "xla"),
 }
-# Per-family exceptions. The Pallas ring collectives have only run in TPU
-# interpret mode; XLA's ICI collectives are tuned, so `auto` keeps them until
-# the kernels are measured on a TPU (`collective=pallas` still selects them).
+# Per-family exceptions.
+# - cuda: Triton before Pallas for reduce, einsum and tile, on the deviceless
+#   compile evidence (bench/static/GPU.md, tests/static/test_triton_compile.py):
+#   the Triton reductions split a long reduced axis so a launch covers every SM
+#   and keep logsumexp statistics per lane (5 CTAs/SM); the Triton matmul has a
+#   per-architecture table and splits K for skinny shapes; the Triton tile
+#   clamps its index in the kernel. Without jax-triton/triton installed the
+#   Triton kernels decline and Pallas runs. No GPU has timed either yet.
+# - tpu collectives: the Pallas ring collectives have only run in TPU
+#   interpret mode; XLA's ICI collectives are tuned, so `auto` keeps them until
+#   the kernels are measured on a TPU (`collective=pallas` still selects them).
 AUTO_PREFERENCE_BY_FAMILY: dict[tuple[str, str], tuple[str, ...]] = {
+    ("reduce", "cuda"): ("triton", "pallas", "xla"),
+    ("einsum", "cuda"): ("triton", "pallas", "xla"),
+    ("tile", "cuda"): ("triton", "pallas", "xla"),
     ("collective", "tpu"): ("xla",),
 }
 
