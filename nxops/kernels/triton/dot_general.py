@@ -254,6 +254,8 @@ def not_supported_reasons(a, b, *, platform: str, dimension_numbers, precision=N
 KERNEL = register(Kernel(
     op="dot_general", backend="triton", platforms=_common.PLATFORMS, fn=dot_general,
     not_supported_reasons=not_supported_reasons,
+    # The interpreter runs in a pure_callback, which XLA cannot partition.
+    manual_only_platforms=("cpu",),
     description="Triton batched matmul: per-arch tiles, grouped order, split-K "
                 "(jax-triton on GPU, Triton's interpreter on CPU)",
 ))

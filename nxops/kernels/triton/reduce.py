@@ -290,6 +290,8 @@ def not_supported_reasons(x, *, platform: str, axes, op: str, **params) -> list[
 KERNEL = register(Kernel(
     op="reduce", backend="triton", platforms=_common.PLATFORMS, fn=reduce,
     not_supported_reasons=not_supported_reasons,
+    # The interpreter runs in a pure_callback, which XLA cannot partition.
+    manual_only_platforms=("cpu",),
     description="Triton row/column reduction, per-lane f32 accumulators, split reduced axis "
                 "(jax-triton on GPU, Triton's interpreter on CPU)",
 ))

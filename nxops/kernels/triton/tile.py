@@ -116,5 +116,7 @@ def not_supported_reasons(x, index, *, platform: str, dim: int, count: int, **pa
 KERNEL = register(Kernel(
     op="tile", backend="triton", platforms=_common.PLATFORMS, fn=tile,
     not_supported_reasons=not_supported_reasons,
+    # The interpreter runs in a pure_callback, which XLA cannot partition.
+    manual_only_platforms=("cpu",),
     description="Triton strided copy of one tile, index clamped in the kernel",
 ))

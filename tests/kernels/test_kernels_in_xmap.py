@@ -1,5 +1,6 @@
-"""Pallas kernels (interpret mode) inside nx.xmap programs, with and without
-mesh axes on 8 simulated devices: same results and gradients as xla."""
+"""Pallas kernels (interpret mode) and Triton kernels (Triton's interpreter)
+inside nx.xmap programs, with and without mesh axes on 8 simulated devices:
+same results and gradients as xla."""
 import jax
 import numpy as np
 import pytest
@@ -10,6 +11,9 @@ IN_AXES = [["inputs", "hidden", ...], ["hidden", "classes", ...], ["batch", "inp
            ["batch", ...]]
 RESOURCES = [{}, {"batch": "x"}, {"hidden": "y"}, {"batch": "x", "hidden": "y"},
              {"batch": ("x", "y")}, {"batch": "y", "hidden": "x"}]
+
+# Triton's interpreter runs in a pure_callback: where every mesh axis is manual.
+TRITON_RESOURCES = [{"batch": "x", "hidden": "y"}, {"batch": ("x", "y")}]
 
 
 def named_loss(w1, w2, images, labels):
@@ -28,8 +32,10 @@ def args():
             rng.integers(0, 5, 8).astype(np.int32))
 
 
-@pytest.mark.parametrize("resources", RESOURCES, ids=str)
-def test_pallas_matches_xla_in_xmap(resources):
+@pytest.mark.parametrize("backend, resources",
+                         [("pallas", r) for r in RESOURCES] + [("triton", r) for r in TRITON_RESOURCES],
+                         ids=str)
+def test_kernels_match_xla_in_xmap(backend, resources):
     mesh = jax.make_mesh((2, 4), ("x", "y"))
     a = args()
     loss = nx.xmap(named_loss, IN_AXES, [...], axis_resources=resources)
@@ -37,10 +43,18 @@ def test_pallas_matches_xla_in_xmap(resources):
     with jax.set_mesh(mesh):
         with nx.kernels.use("xla"):
             want, want_grads = loss(*a), grad(*a)
-        with nx.kernels.use("pallas"):
+        with nx.kernels.use(backend):
             got, got_grads = loss(*a), grad(*a)
             report = nx.kernels.explain(loss, *a)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     for g, w in zip(got_grads, want_grads):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
-    assert report.backends() == {"dot_general": {"pallas"}, "reduce": {"pallas"}}
+    assert report.backends() == {"dot_general": {backend}, "reduce": {backend}}
+
+
+def test_interpreted_triton_kernels_refuse_auto_partitioned_mesh_axes():
+    mesh = jax.make_mesh((2, 4), ("x", "y"))
+    loss = nx.xmap(named_loss, IN_AXES, [...], axis_resources={"batch": "x"})   # y is automatic
+    with jax.set_mesh(mesh), nx.kernels.use("triton"), pytest.raises(
+            nx.NxopsError, match="cannot be partitioned automatically.*every mesh axis is manual"):
+        loss(*args())
