@@ -84,3 +84,24 @@ def test_bfloat16_dot_multiplies_numbers_not_bit_patterns():
 def test_host_tensor_refuses_non_contiguous_arrays():
     with pytest.raises(ValueError, match="C-contiguous"):
         _interpreter.HostTensor(np.ones((4, 4))[:, ::2])
+
+
+def test_compiling_for_cuda_still_works_after_an_interpreted_launch():
+    """Triton's device-function path leaves the language patched for the
+    interpreter; the bridge must undo it, or later compilations fail."""
+    import jax
+    import jax.numpy as jnp
+    from nxops.kernels.triton import _launch
+
+    x = np.ones((4, 7), np.float32)
+    _interpreter.run(_row_sums_via_helpers, (4,), [x, 7], [_shape((4,), np.float32)], {"BC": 8})
+
+    def on_cuda(v):
+        return _launch.launch(_row_sums_via_helpers, v, 7, platform="cuda", name="sums",
+                              out_shape=[jax.ShapeDtypeStruct((4,), jnp.float32)],
+                              grid=(4,), BC=8)[0]
+
+    with _launch.compiling_for(90):
+        text = jax.jit(on_cuda).trace(jax.ShapeDtypeStruct((4, 7), jnp.float32)).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert "triton_kernel_call" in text

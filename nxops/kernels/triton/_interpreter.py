@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import types
 from typing import Any, Callable, Iterator, Sequence
 
 import ml_dtypes
@@ -121,17 +122,27 @@ _LOCK = threading.Lock()
 @contextlib.contextmanager
 def interpreting() -> Iterator[None]:
     """Within the block, calls of compiled-mode ``@triton.jit`` helpers
-    interpret, and ``tl.dot`` reads bfloat16 operands as numbers."""
+    interpret, and ``tl.dot`` reads bfloat16 operands as numbers.
+
+    ``triton.language`` (and ``.core``, which Triton's helpers import) are
+    switched to their interpreter builtins once for the block and switched
+    back after it: Triton's own device-function call path switches them
+    without switching back (harmless in an interpreter-only process, fatal
+    to later compilations in ours).
+    """
     builder = _interp.interpreter_builder
     with _LOCK:
         saved = (_jit.JITFunction.__call__, knobs.runtime.interpret, builder.create_dot)
-        _jit.JITFunction.__call__ = lambda self, *a, **k: _interpreted(self.fn)(*a, **k)
+        lang = _interp._patch_lang(types.SimpleNamespace(
+            __globals__={"tl": triton.language, "core": triton.language.core}))
+        _jit.JITFunction.__call__ = lambda self, *a, **k: _interpreted(self.fn).rewrite()(*a, **k)
         knobs.runtime.interpret = True
         builder.create_dot = _dot_with_bf16_as_f32(saved[2])
         try:
             yield
         finally:
             _jit.JITFunction.__call__, knobs.runtime.interpret, builder.create_dot = saved
+            lang.restore()
 
 
 def _host_dtype(dtype) -> np.dtype:
