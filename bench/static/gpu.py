@@ -32,6 +32,8 @@ import jax
 from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec
 
+from nxops.kernels import _gpu_target
+
 TARGETS = pathlib.Path(__file__).with_name("targets")
 
 
@@ -123,7 +125,8 @@ def compile_gpu(fn: Callable, *args: jax.ShapeDtypeStruct, arch: str = "h100",
               jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, PartitionSpec()))
               for a in args]
     with tempfile.TemporaryDirectory() as dump, jax.set_mesh(mesh), \
-            _triton_kernels_dumped(pathlib.Path(dump) / "triton", ARCHS[arch]) as launches:
+            _gpu_target.compiling_for(ARCHS[arch].compute_capability), \
+            _triton_kernels_dumped(pathlib.Path(dump) / "triton") as launches:
         compiled = jax.jit(fn).trace(*placed).lower().compile(
             compiler_options={"xla_dump_to": dump})
         kernels = _read_dump(pathlib.Path(dump), ARCHS[arch])
@@ -132,9 +135,9 @@ def compile_gpu(fn: Callable, *args: jax.ShapeDtypeStruct, arch: str = "h100",
 
 
 @contextlib.contextmanager
-def _triton_kernels_dumped(dump: pathlib.Path, arch: Arch):
+def _triton_kernels_dumped(dump: pathlib.Path):
     """nxops' Triton kernels (jax-triton custom calls, compiled to PTX while
-    lowering, not by XLA) built for ``arch`` and dumped under ``dump``."""
+    lowering, not by XLA) dumped under ``dump``; yields their launches."""
     try:
         from jax_triton import triton_lib
         from nxops.kernels.triton import _launch
@@ -145,7 +148,7 @@ def _triton_kernels_dumped(dump: pathlib.Path, arch: Arch):
     triton_lib._JAX_TRITON_DUMP_DIR = str(dump)
     triton_lib._COMPILED_KERNEL_CACHE.clear()   # compiled kernels are dumped when built
     try:
-        with _launch.compiling_for(arch.compute_capability), _launch.recording_launches() as rec:
+        with _launch.recording_launches() as rec:
             yield rec
     finally:
         triton_lib._JAX_TRITON_DUMP_DIR = saved
@@ -301,9 +304,19 @@ def _cases():
             lambda a, b: nx.einsum("mk,kn->mn", a, b).astype(jnp.float32).sum(), argnums=(0, 1)),
             (S((4096, 4096), dtype), S((4096, 4096), dtype)), 6 * 4096 * 4096 * size,
             4 * 4096 ** 3))
-        cases.append(("tile (8192, 4096) into 8", lambda v: nx.tile(v, {"t": 0}),
-                      (S((8192, 4096), dtype),), 8192 * 4096 * size // 4, 0))
+        cases.append(("tile (8192, 4096) into 8", _tile_kernel,
+                      (S((8192, 4096), dtype), S((), jnp.int32)), 8192 * 4096 * size // 4, 0))
     return cases
+
+
+def _tile_kernel(v, index):
+    """The selected backend's tile kernel itself, with a traced index (nx.tile
+    of every position under a vmap is a reshape, which launches nothing)."""
+    import nxops as nx
+    avals = (jax.typeof(v), jax.typeof(index))
+    kernel = nx.kernels.choose("tile", "cuda", nx.kernels.current_selection(), avals,
+                               dim=0, count=8).kernel
+    return kernel.fn(v, index, dim=0, count=8, platform="cuda")
 
 
 def _reduce(op, axis):
@@ -311,29 +324,27 @@ def _reduce(op, axis):
     return lambda v: getattr(nx, op)(v, axis)
 
 
-def table(archs=("h100", "a100")) -> str:
-    """The markdown table of every kernel x case x dtype x arch (Pallas selected)."""
+def table(archs=("h100", "a100"), backends=("pallas", "triton")) -> str:
+    """The markdown table of every kernel x case x dtype x arch x backend."""
     import jax.numpy as jnp
 
     import nxops as nx
 
-    rows = ["| arch | case | dtype | kernel | grid | warps | regs | spills (B) | smem (B) | "
-            "CTAs/SM | tensor cores | roofline (µs) |", "|" + "---|" * 12]
+    rows = ["| arch | backend | case | dtype | kernel | grid | warps | regs | spills (B) | "
+            "smem (B) | CTAs/SM | tensor cores | roofline (µs) |", "|" + "---|" * 13]
     for arch in archs:
         for label, fn, args, nbytes, flops in _cases():
-            body = fn
-            if label.startswith("tile"):   # tile needs a bound name: a 4-way vmap
-                body = jax.vmap(lambda v: nx.tile(v, {"t": 0}), axis_name="t", in_axes=None,
-                                axis_size=4)
-            with nx.kernels.use("pallas"):
-                report = compile_gpu(body, *args, arch=arch)
-            dtype = jnp.dtype(args[0].dtype).name
-            roof = roofline_seconds(arch, nbytes, flops if "matmul" in label else 0) * 1e6
-            for k in [k for k in report.kernels if k.name.startswith("nxops")]:
-                rows.append(f"| {arch} | {label} | {dtype} | {k.name} | {'x'.join(map(str, k.grid))} | "
-                            f"{k.warps} | {k.registers} | {k.spill_stores}/{k.spill_loads} | "
-                            f"{k.shared_memory + (k.static_smem or 0)} | {k.ctas_per_sm} | "
-                            f"{k.tensor_core or '-'} | {roof:.1f} |")
+            for backend in backends:
+                with nx.kernels.use(backend):
+                    report = compile_gpu(fn, *args, arch=arch)
+                dtype = jnp.dtype(args[0].dtype).name
+                roof = roofline_seconds(arch, nbytes, flops if "matmul" in label else 0) * 1e6
+                for k in [k for k in report.kernels if k.name.startswith("nxops")]:
+                    rows.append(
+                        f"| {arch} | {backend} | {label} | {dtype} | {k.name} | "
+                        f"{'x'.join(map(str, k.grid))} | {k.warps} | {k.registers} | "
+                        f"{k.spill_stores}/{k.spill_loads} | {k.shared_memory + (k.static_smem or 0)} | "
+                        f"{k.ctas_per_sm} | {k.tensor_core or '-'} | {roof:.1f} |")
     return "\n".join(rows)
 
 
@@ -344,29 +355,23 @@ def main() -> None:
     print(f"wrote {out} ({text.count(chr(10)) - 1} kernel rows)")
 
 
-_GPU_MD_HEADER = """# Pallas kernels compiled for H100 and A100 (no GPU needed)
+_GPU_MD_HEADER = """# nxops' GPU kernels compiled for H100 and A100 (no GPU needed)
 
-Written by `python -m bench.static.gpu` (JAX_PLATFORMS=cpu, the `compile` extra):
-each case is compiled by XLA's GPU compiler for the target in `targets/`, with
-`NXOPS_KERNELS=pallas`; registers and spills come from `ptxas -v` (nvcc wheel)
-on the dumped PTX, grid/threads/shared memory from the thunk sequence, CTAs/SM
-from registers, threads and shared memory against the SM's limits. Roofline:
-bytes / HBM bandwidth (3.35 TB/s H100, 2.039 TB/s A100), or for matmuls
-max(that, FLOPs / dense bf16 tensor peak: 989 / 312 TFLOP/s).
+Written by `python -m bench.static.gpu` (JAX_PLATFORMS=cpu, the `compile` and
+`triton` extras): each case is compiled by XLA's GPU compiler for the target in
+`targets/`, once with `NXOPS_KERNELS=pallas` (Pallas' Triton lowering) and once
+with `NXOPS_KERNELS=triton` (jax-triton, compiled for compute capability 90 /
+80). Registers and spills come from `ptxas -v` (nvcc wheel) on the PTX (XLA's
+dump for Pallas, jax-triton's for Triton); grid/threads/shared memory from the
+thunk sequence (Pallas) or the launch (Triton); CTAs/SM from registers,
+threads and shared memory against the SM's limits. Roofline: bytes / HBM
+bandwidth (3.35 TB/s H100, 2.039 TB/s A100), or for matmuls max(that, FLOPs /
+dense bf16 tensor peak: 989 / 312 TFLOP/s). A case with two rows of one
+backend is a split reduction or split-K (partials, then a second launch).
 
-Matmul, 4096^3 bf16, before and after the per-shape Triton configuration
-(128x128 tiles, 8 warps, 3 stages, grouped program order):
-
-| arch | tiles | warps | regs | spills | CTAs/SM | tensor cores |
-|---|---|---|---|---|---|---|
-| h100 before | 64x64x32 | 4 | 62 | 0 | 8 | wgmma.m64n64k16 |
-| h100 after | 128x128x64 | 8 | 112 | 0 | 2 | wgmma.m64n128k16 |
-| a100 before | 64x64x32 | 4 | 96 | 0 | 5 | mma.m16n8k16 |
-| a100 after | 128x128x64 | 8 | 164 | 0 | 1 | mma.m16n8k16 |
-
-Still open (issue 10): column reductions launch a handful of programs (grid 4
-on 4096x4096, far under 132 SMs), row logsumexp uses 98 registers (2 CTAs/SM),
-and the kernels do not yet pick configurations per architecture.
+Before this round (Pallas, H100), from the issue: columns sum 4096x4096 grid
+4, columns logsumexp 8x3000x4096 bf16 grid 32, rows logsumexp 98 registers
+(2 CTAs/SM), matmul 64x64x32 tiles with 4 warps (wgmma m64n64k16).
 
 """
 

@@ -175,12 +175,17 @@ def test_unsupported_cases_fall_back_or_raise(a_dtype, b_dtype, platform, kw, re
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
-def test_registry_picks_pallas_for_supported_cases(platform):
+def test_registry_picks_a_kernel_for_supported_cases(platform):
     avals = [jax.ShapeDtypeStruct((4, 8), jnp.bfloat16), jax.ShapeDtypeStruct((8, 2), jnp.bfloat16)]
     choice = _registry.choose("dot_general", platform, _registry.parse_selection("auto"), avals,
                               dimension_numbers=MATMUL, precision=None,
                               preferred_element_type=jnp.float32)
-    assert choice.kernel is pallas_dot.KERNEL
+    # auto on cuda prefers the triton backend (see _registry.AUTO_PREFERENCE_BY_FAMILY)
+    assert choice.kernel.backend == ("triton" if platform == "cuda" else "pallas")
+    pallas = _registry.choose("dot_general", platform, _registry.parse_selection("pallas"), avals,
+                              dimension_numbers=MATMUL, precision=None,
+                              preferred_element_type=jnp.float32)
+    assert pallas.kernel is pallas_dot.KERNEL
 
 
 @pytest.mark.parametrize("style", ["triton", "mosaic"])

@@ -13,7 +13,7 @@ import pytest
 import nxops as nx
 
 from nxops._errors import NxopsError
-from nxops.kernels import _registry
+from nxops.kernels import _layout, _registry
 from nxops.kernels.pallas import _common, reduce as pallas_reduce
 from nxops.kernels.xla import reduce as xla_reduce
 from tests.kernels._tolerances import FLOAT_DTYPES, assert_close, small_blocks
@@ -149,9 +149,9 @@ def test_long_single_row_is_split_into_pieces(style):
 
 
 def test_canonical_view_moves_data_only_for_non_contiguous_axes():
-    assert pallas_reduce.canonical_view((2, 3, 4, 5), (1, 2)) == (None, (2, 12, 5))
-    assert pallas_reduce.canonical_view((2, 3, 4, 5), (2, 3)) == (None, (6, 20, 1))
-    assert pallas_reduce.canonical_view((2, 3, 4, 5), (0, 2)) == ((1, 3, 0, 2), (15, 8, 1))
+    assert _layout.canonical_view((2, 3, 4, 5), (1, 2)) == (None, (2, 12, 5))
+    assert _layout.canonical_view((2, 3, 4, 5), (2, 3)) == (None, (6, 20, 1))
+    assert _layout.canonical_view((2, 3, 4, 5), (0, 2)) == ((1, 3, 0, 2), (15, 8, 1))
 
 
 def test_default_platform_cpu_runs_interpret_mode():
@@ -167,7 +167,9 @@ def test_registry_takes_pallas_or_falls_back_with_a_reason(dtype, platform, unsu
     aval = jax.ShapeDtypeStruct((4, 8), dtype)
     auto = _registry.choose("reduce", platform, _registry.parse_selection("auto"), [aval],
                             axes=(1,), op="sum")
-    expected = "xla" if unsupported or platform == "cpu" else "pallas"
+    # auto on cuda prefers the triton backend (see _registry.AUTO_PREFERENCE_BY_FAMILY)
+    expected = ("xla" if unsupported or platform == "cpu"
+                else "triton" if platform == "cuda" else "pallas")
     assert auto.kernel.backend == expected
     pallas = _registry.parse_selection("pallas")
     if unsupported:

@@ -105,7 +105,7 @@ def test_skinny_matmul_takes_small_tiles_and_splits_k(compiled):
 
 
 def test_the_configuration_table_is_per_architecture():
-    assert triton_dot.config_for(4096, 4096, 4096, 2, 90).bm >= 128
-    assert triton_dot.config_for(4096, 4096, 4096, 2, 80).bn >= 128
-    skinny = triton_dot.config_for(8, 4096, 4096, 2, 90)
+    assert triton_dot.config_for(4096, 4096, 4096, 2, "sm90").bm >= 128
+    assert triton_dot.config_for(4096, 4096, 4096, 2, "sm80").bn >= 128
+    skinny = triton_dot.config_for(8, 4096, 4096, 2, "sm90")
     assert skinny.bm == 16 and skinny.bn >= 128

@@ -38,6 +38,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
 from nxops.kernels._registry import Kernel, register
+from nxops.kernels._layout import canonical_view
 from nxops.kernels.pallas import _common
 from nxops.kernels.pallas._common import Target
 from nxops.kernels.xla import reduce as xla_reduce
@@ -293,19 +294,6 @@ def _column_reduce(x3, op: str, target: Target) -> jax.Array:
 
 # ---------------------------------------------------------------------------
 # The wrapper: canonical view, then the row or column kernel
-
-
-def canonical_view(shape: tuple[int, ...], axes: tuple[int, ...]):
-    """``(permutation or None, (outer, reduced, inner))`` for reducing ``axes``
-    (sorted, non-negative) of ``shape``: no permutation when they are
-    contiguous, else the reduced axes are moved last (``inner == 1``)."""
-    kept = [d for d in range(len(shape)) if d not in axes]
-    size = lambda dims: math.prod(shape[d] for d in dims)  # noqa: E731
-    if not axes:
-        return None, (size(kept), 1, 1)
-    if list(axes) == list(range(axes[0], axes[-1] + 1)):
-        return None, (size(range(axes[0])), size(axes), size(range(axes[-1] + 1, len(shape))))
-    return tuple(kept) + tuple(axes), (size(kept), size(axes), 1)
 
 
 def _normalize_axes(axes, ndim: int) -> tuple[int, ...]:

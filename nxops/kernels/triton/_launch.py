@@ -6,57 +6,22 @@ interpreter (``_interpreter.run`` inside ``jax.pure_callback``) on cpu. Both
 take the arguments in jax-triton's order: arrays and Python scalars, then the
 outputs, then the ``constexprs``.
 
-On cuda the compute capability decides the kernel's configuration (see
-``dot_general.CONFIGS``) and what Triton compiles for. It is the device's,
-unless :func:`compiling_for` names one: that is how the deviceless compile
-harness (``bench/static/gpu.py``) builds for an H100 or A100 with no GPU.
+On cuda Triton compiles for ``_gpu_target.compute_capability()`` (the
+device's, or the one ``compiling_for`` names: how the deviceless compile
+harness builds for an H100 or A100 with no GPU).
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import dataclasses
-import functools
 from typing import Any, Iterator, Sequence
 
 import jax
 import numpy as np
 
-from nxops._jax import config as _jax_config
+from nxops.kernels._gpu_target import compute_capability
 from nxops.kernels.triton import _interpreter
-
-# 0: ask the device. Part of the jit key: compiling for another GPU retraces.
-_COMPUTE_CAPABILITY = _jax_config.int_state(
-    "nxops_cuda_compute_capability", 0,
-    "The CUDA compute capability nxops' Triton kernels are built for (0: the device's).",
-    include_in_jit_key=True, include_in_trace_context=True)
-
-DEFAULT_COMPUTE_CAPABILITY = 90   # with no device to ask: an H100
-
-
-@contextlib.contextmanager
-def compiling_for(compute_capability: int) -> Iterator[None]:
-    """Builds the Triton kernels traced in the block for ``compute_capability``
-    (e.g. 90 for H100, 80 for A100), with or without such a device."""
-    with _COMPUTE_CAPABILITY(int(compute_capability)):
-        yield
-
-
-@functools.cache
-def _device_compute_capability() -> int | None:
-    try:
-        device = jax.devices("cuda")[0]
-    except RuntimeError:  # no cuda backend
-        return None
-    major, _, minor = str(getattr(device, "compute_capability", "")).partition(".")
-    return int(major) * 10 + int(minor or 0) if major.isdigit() else None
-
-
-def compute_capability() -> int:
-    """The compute capability the kernels are being built for."""
-    return (_COMPUTE_CAPABILITY.value or _device_compute_capability()
-            or DEFAULT_COMPUTE_CAPABILITY)
-
 
 @dataclasses.dataclass(frozen=True)
 class Launch:

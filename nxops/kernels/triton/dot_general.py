@@ -29,17 +29,18 @@ import triton
 import triton.language as tl
 from jax import lax
 
+from nxops.kernels import _gpu_target, _layout
 from nxops.kernels._registry import Kernel, register
 from nxops.kernels.pallas import dot_general as pallas_dot
 from nxops.kernels.pallas.dot_general import _precision_reasons, canonical_dimension_numbers
 from nxops.kernels.triton import _batching, _common
 from nxops.kernels.triton._common import cdiv
-from nxops.kernels.triton._launch import compute_capability, launch
+from nxops.kernels.triton._launch import launch
 
 F32 = jnp.float32
 GROUP_M = 8
 MAX_BATCH = 65535          # grid axis 1 (CUDA's limit for y)
-TARGET_PROGRAMS = 264      # two per SM on an H100
+TARGET_PROGRAMS = _layout.GPU_TARGET_PROGRAMS
 MIN_K_STEPS_PER_SPLIT = 8
 
 
@@ -64,15 +65,11 @@ CONFIGS: dict[tuple[str, int, str], Config] = {
 }
 
 
-def _arch(cc: int) -> str:
-    return "sm90" if cc >= 90 else "sm80"
-
-
-def config_for(n_m: int, n_n: int, n_k: int, itemsize: int, cc: int) -> Config:
-    """The configuration of an ``[M, K] x [K, N]`` matmul on compute capability
-    ``cc``: the table's large tile, shrunk to the next power of two (at least
+def config_for(n_m: int, n_n: int, n_k: int, itemsize: int, arch: str) -> Config:
+    """The configuration of an ``[M, K] x [K, N]`` matmul on ``arch`` ("sm90",
+    "sm80"): the table's large tile, shrunk to the next power of two (at least
     16) along a short dim, with warps for the tile left."""
-    large = CONFIGS[(_arch(cc), 2 if itemsize <= 2 else 4, "large")]
+    large = CONFIGS[(arch, 2 if itemsize <= 2 else 4, "large")]
     bm = min(large.bm, max(16, _common.next_power_of_2(n_m)))
     bn = min(large.bn, max(16, _common.next_power_of_2(n_n)))
     bk = min(large.bk, max(16, _common.next_power_of_2(n_k)))
@@ -85,10 +82,8 @@ def config_for(n_m: int, n_n: int, n_k: int, itemsize: int, cc: int) -> Config:
 def k_splits(tiles: int, n_k: int, bk: int) -> tuple[int, int]:
     """(K per split, splits): split K when ``tiles`` programs are too few for
     the GPU, keeping at least :data:`MIN_K_STEPS_PER_SPLIT` blocks per split."""
-    wanted = cdiv(TARGET_PROGRAMS, tiles)
-    affordable = max(1, n_k // (bk * MIN_K_STEPS_PER_SPLIT))
-    k_per_split = cdiv(cdiv(n_k, min(wanted, affordable)), bk) * bk
-    return k_per_split, cdiv(n_k, k_per_split)
+    return _layout.pieces(n_k, bk, tiles, target=TARGET_PROGRAMS,
+                          min_blocks=MIN_K_STEPS_PER_SPLIT)
 
 
 @triton.jit
@@ -156,8 +151,7 @@ def input_precision(precision, dtype) -> str:
 def batched_matmul(a3, b3, out_dtype, precision, platform: str) -> jax.Array:
     """``[B, M, K] x [B, K, N] -> [B, M, N]`` with an f32 accumulator."""
     (n_batch, n_m, n_k), n_n = a3.shape, b3.shape[2]
-    config = config_for(n_m, n_n, n_k, jnp.dtype(a3.dtype).itemsize,
-                        compute_capability() if platform == "cuda" else 90)
+    config = config_for(n_m, n_n, n_k, jnp.dtype(a3.dtype).itemsize, _gpu_target.arch())
     tiles = cdiv(n_m, config.bm) * cdiv(n_n, config.bn)
     k_per_split, splits = k_splits(tiles * n_batch, n_k, config.bk)
     partial_dtype = out_dtype if splits == 1 else F32

@@ -35,7 +35,8 @@ import triton
 import triton.language as tl
 
 from nxops.kernels._registry import Kernel, register
-from nxops.kernels.pallas.reduce import canonical_view
+from nxops.kernels import _layout
+from nxops.kernels._layout import canonical_view
 from nxops.kernels.triton import _batching, _common
 from nxops.kernels.triton._common import cdiv
 from nxops.kernels.triton._launch import launch
@@ -44,8 +45,8 @@ from nxops.kernels.xla import reduce as xla_reduce
 OPS = {"sum": 0, "max": 1, "min": 2, "prod": 3, "logsumexp": 4}
 IDENTITY = {"sum": 0.0, "max": -math.inf, "min": math.inf, "prod": 1.0, "logsumexp": -math.inf}
 
-# Programs wanted per launch: two per SM on an H100 (132 SMs; an A100 has 108).
-TARGET_PROGRAMS = 264
+# Programs wanted per launch (two per SM on an H100).
+TARGET_PROGRAMS = _layout.GPU_TARGET_PROGRAMS
 # A program's block holds at most this many elements (per-lane accumulators in
 # registers); logsumexp keeps two per element, so it takes half.
 MAX_BLOCK = 4096
@@ -177,13 +178,10 @@ def _max_block(op: str) -> int:
 
 
 def pieces(n_reduced: int, block: int, programs: int) -> tuple[int, int]:
-    """(piece length, number of pieces) cutting the reduced axis so that
-    ``programs`` programs per piece reach :data:`TARGET_PROGRAMS`, with
-    pieces of whole blocks and at least :data:`MIN_STEPS_PER_PIECE` of them."""
-    wanted = cdiv(TARGET_PROGRAMS, programs)
-    affordable = max(1, n_reduced // (block * MIN_STEPS_PER_PIECE))
-    piece_len = cdiv(cdiv(n_reduced, min(wanted, affordable)), block) * block
-    return piece_len, cdiv(n_reduced, piece_len)
+    """(piece length, number of pieces) of the reduced axis (``_layout.pieces``
+    with this module's targets)."""
+    return _layout.pieces(n_reduced, block, programs, target=TARGET_PROGRAMS,
+                          min_blocks=MIN_STEPS_PER_PIECE)
 
 
 def _rows(x2, op: str, platform: str, out_dtype, *, split: bool = True) -> jax.Array:
