@@ -47,6 +47,42 @@ FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.f
 MAX_ELEMENTS = 2**31 - 1
 
 
+def cost_estimate(reads=(), writes=(), *, flops: int = 0, transcendentals: int = 0,
+                  remote_bytes: int = 0) -> pl.CostEstimate:
+    """What a kernel costs, for XLA's schedulers (a Pallas call is opaque to
+    them otherwise): ``reads``/``writes`` are ``(shape, dtype)`` pairs or arrays
+    (one pair per pass over an array: a matmul lists an operand once per sweep)."""
+    def nbytes(x):
+        shape, dtype = (x.shape, x.dtype) if hasattr(x, "shape") else x
+        return math.prod(shape) * jnp.dtype(dtype).itemsize
+    return pl.CostEstimate(flops=int(flops), transcendentals=int(transcendentals),
+                           bytes_accessed=int(sum(map(nbytes, (*reads, *writes)))),
+                           remote_bytes_transferred=int(remote_bytes))
+
+
+def reduce_cost(x, out_shape, out_dtype, op: str) -> pl.CostEstimate:
+    """One pass over ``x``; logsumexp adds an exp per element and a log per
+    result (and a max, subtract and add per element)."""
+    n, n_out = math.prod(x.shape), math.prod(out_shape)
+    lse = op == "logsumexp"
+    return cost_estimate([x], [(out_shape, out_dtype)], flops=4 * n if lse else n,
+                         transcendentals=n + n_out if lse else 0)
+
+
+def matmul_cost(a3, b3, out, bm: int, bn: int) -> pl.CostEstimate:
+    """``[B, M, K] x [B, K, N]`` in ``bm x bn`` output tiles: each tile reads its
+    rows of ``a`` and columns of ``b``, so ``a`` is read once per column of
+    tiles and ``b`` once per row of tiles."""
+    (n_batch, n_m, n_k), n_n = a3.shape, b3.shape[2]
+    return cost_estimate([a3] * -(-n_n // bn) + [b3] * -(-n_m // bm), [out],
+                         flops=2 * n_batch * n_m * n_n * n_k)
+
+
+def copy_cost(shape, dtype) -> pl.CostEstimate:
+    """Reads and writes ``shape`` once."""
+    return cost_estimate([(shape, dtype)], [(shape, dtype)])
+
+
 def too_large_reasons(*shapes) -> list[str]:
     """A reason for each array too large for int32 element indices."""
     return [f"shape {tuple(s)} has more than 2**31 - 1 elements (kernels index with int32)"

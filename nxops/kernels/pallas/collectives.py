@@ -41,7 +41,7 @@ from jax.interpreters import mlir
 from nxops._jax import config as jax_config
 from nxops._jax import pallas_core
 from nxops.kernels._registry import Kernel, register
-from nxops.kernels.pallas import _collectives_mgpu
+from nxops.kernels.pallas import _collectives_mgpu, _common
 from nxops.kernels.xla import collectives as xla_collectives
 
 # Barrier semaphores of different collective kernels must not be confused.
@@ -213,7 +213,11 @@ def _all_gather_call(x, axis_name: str, axis: int, tiled: bool, platform: str):
         kernel, x, _out_type((n, *x.shape), x, invariant_over=axis_name),
         scratch_shapes=[pltpu.SemaphoreType.DMA, pltpu.SemaphoreType.DMA((2,)),
                         pltpu.SemaphoreType.DMA((2,))],
-        memory_space=pl.ANY, collective_id=_ALL_GATHER_COLLECTIVE_ID, platform=platform)
+        memory_space=pl.ANY, collective_id=_ALL_GATHER_COLLECTIVE_ID, platform=platform,
+        name="nxops_ring_all_gather",
+        # Every device writes n chunks and reads (sends) n - 1 of them plus its own.
+        cost=_common.cost_estimate([x] * n, [((n, *x.shape), x.dtype)],
+                                   remote_bytes=(n - 1) * _nbytes(x)))
     gathered = jnp.moveaxis(stacked, 0, axis)  # (..., n, *x.shape[axis:])
     if not tiled:
         return gathered
@@ -299,7 +303,13 @@ def _reduce_scatter_call(x, axis_name: str, d: int, tiled: bool, platform: str):
         kernel, chunks, _out_type(chunk_shape, x),
         scratch_shapes=[pltpu.VMEM((n, *chunk_shape), x.dtype),
                         pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA((2,))],
-        memory_space=pltpu.VMEM, collective_id=_REDUCE_SCATTER_COLLECTIVE_ID, platform=platform)
+        memory_space=pltpu.VMEM, collective_id=_REDUCE_SCATTER_COLLECTIVE_ID, platform=platform,
+        name="nxops_ring_reduce_scatter",
+        # Reads its n chunks and n - 1 received partial sums, adds n - 1 chunks.
+        cost=_common.cost_estimate([x, ((n - 1, *chunk_shape), x.dtype)],
+                                   [((n - 1, *chunk_shape), x.dtype), (chunk_shape, x.dtype)],
+                                   flops=(n - 1) * math.prod(chunk_shape),
+                                   remote_bytes=(n - 1) * _nbytes(x) // n))
     return out if tiled else jnp.squeeze(out, d)
 
 
@@ -364,7 +374,8 @@ _collective.defvjp(_collective_fwd, _collective_bwd)
 # The pallas_call, its types, and lowering inside shard_map
 
 
-def _pallas_call(kernel, x, out_type, *, scratch_shapes, memory_space, collective_id, platform):
+def _pallas_call(kernel, x, out_type, *, scratch_shapes, memory_space, collective_id, platform,
+                 name, cost):
     call = pl.pallas_call(
         kernel,
         out_shape=out_type,
@@ -372,6 +383,8 @@ def _pallas_call(kernel, x, out_type, *, scratch_shapes, memory_space, collectiv
         out_specs=pl.BlockSpec(memory_space=memory_space),
         scratch_shapes=scratch_shapes,
         compiler_params=pltpu.CompilerParams(collective_id=collective_id),
+        cost_estimate=cost,
+        name=name,
         interpret=INTERPRET_PARAMS if platform == "cpu" else False,
     )
     out_aval = jax.typeof(jax.eval_shape(call, x))
@@ -379,6 +392,10 @@ def _pallas_call(kernel, x, out_type, *, scratch_shapes, memory_space, collectiv
     (out,) = _without_vma_check_p.bind(x, fn=lambda v: [call(v)], out_aval=out_aval,
                                        kernel_effects=effects)
     return out
+
+
+def _nbytes(x) -> int:
+    return math.prod(x.shape) * np.dtype(x.dtype).itemsize
 
 
 def _out_type(shape, x, *, invariant_over=None) -> jax.ShapeDtypeStruct:

@@ -138,6 +138,7 @@ def batched_matmul(a3, b3, out_dtype, precision, target: Target) -> jax.Array:
             out_shape=out_shape,
             grid=(n_batch, pl.cdiv(n_m, bm) * pl.cdiv(n_n, bn)),   # tiles in grouped order
             name="nxops_dot_general",
+            cost_estimate=_common.matmul_cost(a3, b3, out_shape, bm, bn),
             **_common.call_kwargs(target, num_warps=warps, num_stages=stages),
         )(a3, b3)
     bm = _common.block_size(style, n_m, "m", align=8)
@@ -154,6 +155,7 @@ def batched_matmul(a3, b3, out_dtype, precision, target: Target) -> jax.Array:
             out_specs=pl.BlockSpec((None, bm, bn), lambda b, i, j, k: (b, i, j)),
             scratch_shapes=[pltpu.VMEM((bm, bn), F32)]),
         name="nxops_dot_general",
+        cost_estimate=_common.matmul_cost(a3, b3, out_shape, bm, bn),
         **_common.call_kwargs(
             target, dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
     )(a3, b3)

@@ -197,6 +197,7 @@ def _row_reduce_call(x2, op: str, target: Target, out_dtype) -> jax.Array:
         return pl.pallas_call(
             kernel, out_shape=jax.ShapeDtypeStruct((n_outer,), out_dtype),
             grid=(pl.cdiv(n_outer, bo),), name=f"nxops_reduce_rows_{op}",
+            cost_estimate=_common.reduce_cost(x2, (n_outer,), out_dtype, op),
             **_common.call_kwargs(target, num_warps=_common.num_warps_for(bo * br)),
         )(x2)
     br = _common.block_size(style, n_reduced, "cols", power_of_2=pow2, align=128)
@@ -212,6 +213,7 @@ def _row_reduce_call(x2, op: str, target: Target, out_dtype) -> jax.Array:
             out_specs=pl.BlockSpec((bo, 1), lambda i, j: (i, 0)),
             scratch_shapes=scratch),
         name=f"nxops_reduce_rows_{op}",
+        cost_estimate=_common.reduce_cost(x2, (n_outer,), out_dtype, op),
         **_common.call_kwargs(target, dimension_semantics=("parallel", "arbitrary")),
     )(x2)
     return out[:, 0]
@@ -272,6 +274,7 @@ def _column_reduce(x3, op: str, target: Target) -> jax.Array:
             functools.partial(_column_kernel_triton, op=op, br=br, bi=bi),
             out_shape=jax.ShapeDtypeStruct((n_outer, n_inner), x3.dtype),
             grid=(n_outer, pl.cdiv(n_inner, bi)), name=f"nxops_reduce_columns_{op}",
+            cost_estimate=_common.reduce_cost(x3, (n_outer, n_inner), x3.dtype, op),
             **_common.call_kwargs(target, num_warps=_common.num_warps_for(br * bi)),
         )(x3)
     br = _common.block_size(style, n_reduced, "rows", power_of_2=op == "prod", align=8)
@@ -287,6 +290,7 @@ def _column_reduce(x3, op: str, target: Target) -> jax.Array:
             out_specs=pl.BlockSpec((None, 1, bi), lambda o, k, j: (o, 0, k)),
             scratch_shapes=scratch),
         name=f"nxops_reduce_columns_{op}",
+        cost_estimate=_common.reduce_cost(x3, (n_outer, n_inner), x3.dtype, op),
         **_common.call_kwargs(target, dimension_semantics=("parallel", "parallel", "arbitrary")),
     )(x3)
     return out[:, 0, :]

@@ -58,6 +58,7 @@ def _tile_mosaic(x3, index, target: Target) -> jax.Array:
             in_specs=[pl.BlockSpec((bo, None, br, lanes), lambda o, r, idx: (o, idx[0], r, 0))],
             out_specs=pl.BlockSpec((bo, br, lanes), lambda o, r, idx: (o, r, 0))),
         name="nxops_tile",
+        cost_estimate=_common.copy_cost((x3.shape[0], x3.shape[2]), x3.dtype),
         **_common.call_kwargs(target, dimension_semantics=("parallel", "parallel")),
     )(index.reshape(1), x4)
     return out.reshape(n_outer, tile_len)
@@ -84,6 +85,7 @@ def _tile_triton(x3, index, target: Target) -> jax.Array:
         out_shape=jax.ShapeDtypeStruct((n_outer, tile_len), x3.dtype),
         grid=(pl.cdiv(n_outer, bo), pl.cdiv(tile_len, bl)),
         name="nxops_tile",
+        cost_estimate=_common.copy_cost((x3.shape[0], x3.shape[2]), x3.dtype),
         **_common.call_kwargs(target, num_warps=_common.num_warps_for(bo * bl)),
     )(index.reshape(1), x3)
 
