@@ -40,16 +40,21 @@ def test_pallas_on_cpu_matches_xla(name):
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
-def test_auto_picks_pallas_on_accelerators(platform, name):
+def test_auto_picks_kernels_on_accelerators(platform, name):
+    """auto: Triton on cuda (then Pallas), Pallas on tpu; "pallas": Pallas."""
     fn, shapes = PROGRAMS[name]
     args = data(*shapes)
     for selection in ("auto", "pallas"):
+        backend = "triton" if selection == "auto" and platform == "cuda" else "pallas"
         with nx.kernels.use(selection):
             explanation = nx.kernels.explain(fn, *args, platform=platform)
             text = lower_text(fn, *args, platform=platform)
         assert explanation.backends() and all(
-            b == {"pallas"} for b in explanation.backends().values()), str(explanation)
-        assert CALL_TARGET[platform] in text and kernel_calls(text, platform)
+            b == {backend} for b in explanation.backends().values()), str(explanation)
+        if backend == "triton":
+            assert "triton_kernel_call" in text and CALL_TARGET[platform] not in text
+        else:
+            assert CALL_TARGET[platform] in text and kernel_calls(text, platform)
         if platform == "cuda":
             assert "mosaic_gpu" not in text
 
