@@ -29,18 +29,17 @@ def skip_reason(op: str, backend: str, size: str, platform: str, avals=(),
         return f"size {size!r} runs only on an accelerator (too slow and large on CPU)"
     if backend == BASELINE:
         return None
-    kernels = {k.backend: k for k in nx.kernels.registered(op)}
-    kernel = kernels.get(backend)
-    if kernel is None:
-        return f"nxops has no {backend!r} kernel for {op!r} (registered: {', '.join(sorted(kernels))})"
-    if platform not in kernel.platforms:
-        return f"the {backend!r} {op} kernel runs on {', '.join(kernel.platforms)}, not {platform}"
     if backend in ("pallas", "triton") and platform == "cpu" and size not in INTERPRETED_SIZES:
         return (f"{backend} runs interpreted on CPU (Pallas interpret mode / Triton's "
                 f"interpreter): only sizes {INTERPRETED_SIZES} there")
-    reasons = kernel.not_supported_reasons(*avals, platform=platform, **(params or {})) if avals else ()
-    if reasons:
-        return f"the {backend!r} {op} kernel cannot take this case: {'; '.join(reasons)}"
+    # The registry's own choice, as the ops make it when they lower.
+    try:
+        choice = nx.kernels.choose(op, platform, nx.kernels.parse_selection(backend), avals,
+                                   **(params or {}))
+    except nx.NxopsError as e:
+        return str(e)
+    if choice.kernel.backend != backend:   # e.g. zero-size operands take the reference
+        return choice.describe()
     return None
 
 

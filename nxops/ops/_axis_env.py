@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import jax
 
@@ -96,9 +96,9 @@ def current_logical_axes() -> dict[str, LogicalAxis]:
     return dict(_LOGICAL_AXES.get())
 
 
-def current_logical_axes_map() -> dict[str, LogicalAxis]:
-    """The bound logical names, uncopied: a new object whenever they change."""
-    return _LOGICAL_AXES.get()
+# The bound logical names, uncopied: a new object whenever they change. A
+# bound C method, not a function: every xmap call reads it.
+current_logical_axes_map: Callable[[], dict[str, LogicalAxis]] = _LOGICAL_AXES.get
 
 
 def as_name_tuple(axis_name) -> tuple:

@@ -395,6 +395,17 @@ def _check_tiling(x, axes: Mapping, op: str):
     return x
 
 
+def _tile_as_reduce_scatter(x, mesh_names: tuple, dim: int):
+    """The sum-then-tile rewrite (``ops/_fusion.py``): when ``x`` is
+    ``psum(p, mesh_names)`` over exactly the mesh axes this tile splits over,
+    this device's tile is ``p`` reduce-scattered along ``dim`` (half the bytes
+    of the all-reduce). None when ``x`` is not such a sum."""
+    partial = _fusion.summed_partial(x, mesh_names)
+    if partial is None:
+        return None
+    return psum_scatter(partial, mesh_names, scatter_dimension=dim, tiled=True)
+
+
 def tile(x, axes: Mapping):
     """This position's tile of ``x`` (replicated over the names) along each
     ``{name: dim}``: ``x`` split into ``axis_size(name)`` equal tiles along
@@ -407,9 +418,9 @@ def tile(x, axes: Mapping):
             raise NxopsError(f"nx.tile: dim {dim} of x (shape {x.shape}) has size {x.shape[dim]}, "
                              f"not divisible by the size {size} of {name!r}.")
         physical, vmap_names, mesh_names = _physical(name, "tile", allow_loop=True)
-        partial = _fusion.partial_of(x, mesh_names) if mesh_names else None
-        if partial is not None:  # tile(psum(p)) over the same mesh axes: one reduce-scatter
-            x = psum_scatter(partial, mesh_names, scatter_dimension=dim, tiled=True)
+        fused = _tile_as_reduce_scatter(x, mesh_names, dim) if mesh_names else None
+        if fused is not None:
+            x = fused
         elif mesh_names or not vmap_names:  # major part first: this device's tile
             count = math.prod(map(_axis_env.physical_axis_size, mesh_names)) if vmap_names else size
             axes_here = mesh_names or physical

@@ -262,7 +262,7 @@ def einsum(spec: str, *operands, precision=None, preferred_element_type=None):
     if value.dtype != out_dtype:   # sums promote small ints and bool; jnp.einsum does not
         value = value.astype(out_dtype)
     if mesh_contracted:
-        value = _fusion.remember_mesh_sum(lax.psum(value, mesh_contracted), value, mesh_contracted)
+        value = _fusion.mesh_sum(value, mesh_contracted)
     return value
 
 
@@ -282,7 +282,7 @@ def pdot(x, y, axis_name, *, pos_contract=((), ()), pos_batch=((), ()), precisio
                            precision=precision, kernels=selection_param())
     if not mesh_names:
         return out
-    return _fusion.remember_mesh_sum(lax.psum(out, mesh_names), out, mesh_names)
+    return _fusion.mesh_sum(out, mesh_names)
 
 
 def _check_pdot_dims(x, y, pos_contract, pos_batch):

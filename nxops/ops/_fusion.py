@@ -1,33 +1,50 @@
-"""Sum-then-tile fusion: a sum over mesh axes whose result is then tiled over
-the same mesh axes is one reduce-scatter, not an all-reduce and a slice (half
-the bytes per device).
+"""The sum-then-tile rewrite: ``nx.tile(psum(p, axes), {name: dim})``, where
+``name`` is mapped to exactly the mesh ``axes``, is one reduce-scatter of
+``p`` instead of an all-reduce followed by a slice (half the bytes per
+device, the same values).
 
-Named ops that finish with a psum over mesh axes remember, for the result
-tracer, the partial value before the psum. ``nx.tile`` over exactly those axes
-then reduce-scatters the partial value instead; the unused psum is dead code,
-which jit removes.
+Where it happens:
+
+- producers: named ops whose result is a sum over mesh axes (``nx.sum``,
+  ``nx.psum``, contracted mesh names of ``nx.einsum`` / ``nx.pdot``) compute it
+  with :func:`mesh_sum`, which records the partial value beside the result;
+- the consumer: ``nx.tile`` asks :func:`summed_partial` for the tiled value;
+  on an answer it reduce-scatters the partial
+  (``_collectives._tile_as_reduce_scatter``). The psum it no longer uses is
+  dead code, which jit removes.
+
+Why ``id()``: JAX tracers take no attributes and are not hashable, so the
+record is keyed by the result's id and checked through a weak reference: it
+lives as long as the result, and a new object that reuses the id never
+matches.
 """
 from __future__ import annotations
 
 import weakref
 
-_partials: dict[int, tuple[weakref.ref, object, tuple[str, ...]]] = {}
+from jax import lax
+
+# id(result) -> (weak reference to result, partial, mesh axes summed over)
+_summed: dict[int, tuple[weakref.ref, object, tuple[str, ...]]] = {}
 
 
-def remember_mesh_sum(result, partial, mesh_names: tuple[str, ...]):
-    """Records that ``result`` is ``psum(partial, mesh_names)``; returns ``result``."""
+def mesh_sum(partial, mesh_names: tuple[str, ...]):
+    """``lax.psum(partial, mesh_names)``, recorded so that an ``nx.tile`` over the
+    same mesh axes can reduce-scatter ``partial`` instead."""
+    result = lax.psum(partial, mesh_names)
     key = id(result)
     try:
-        ref = weakref.ref(result, lambda _: _partials.pop(key, None))
+        ref = weakref.ref(result, lambda _: _summed.pop(key, None))
     except TypeError:  # not weak-referenceable (a concrete constant): nothing to fuse
         return result
-    _partials[key] = (ref, partial, tuple(mesh_names))
+    _summed[key] = (ref, partial, tuple(mesh_names))
     return result
 
 
-def partial_of(value, mesh_names: tuple[str, ...]):
-    """The partial value whose psum over ``mesh_names`` is ``value``, or None."""
-    entry = _partials.get(id(value))
+def summed_partial(value, mesh_names: tuple[str, ...]):
+    """The ``partial`` of ``value = mesh_sum(partial, mesh_names)``, or None when
+    ``value`` is not such a sum over exactly ``mesh_names``."""
+    entry = _summed.get(id(value))
     if entry is None or entry[0]() is not value or entry[2] != tuple(mesh_names):
         return None
     return entry[1]

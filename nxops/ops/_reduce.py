@@ -207,7 +207,7 @@ def _reduce_resolved(x, positional, vmap_names, mesh_names, op: str):
         # bf16/f16 all-reduce over some of the mesh axes: reduce in f32 there.
         return _reduce_resolved(y.astype(jnp.float32), (), (), mesh_names, op).astype(y.dtype)
     if op == "sum":
-        return _fusion.remember_mesh_sum(lax.psum(y, mesh_names), y, mesh_names)
+        return _fusion.mesh_sum(y, mesh_names)
     if op in _MESH_REDUCERS:
         return _MESH_REDUCERS[op](y, mesh_names)
     if op == "logsumexp":

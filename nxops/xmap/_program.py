@@ -4,8 +4,8 @@
 
 Each named dimension of a local array is first split into sub-dimensions
 ``(loop lengths..., tile)``; every level (a loop or a tile) then consumes its
-sub-dimension. Dimensions are tracked by tags: ``('pos', d)``, ``('loop', loop)``
-and ``('tile', name)``, and an output's *full layout* is the list of tags of its
+sub-dimension. Dimensions are tracked by tags: ``PosTag(d)``, ``LoopTag(loop)``
+and ``TileTag(name)``, and an output's *full layout* is the list of tags of its
 split form. Every level returns outputs whose layout is the full layout
 restricted to the tags not yet consumed by enclosing levels.
 
@@ -29,7 +29,30 @@ from nxops.ops._axis_env import loop_step
 from nxops.xmap._plan import Plan, check_shared_resources
 from nxops.xmap._specs import AxisSpec, broadcast_specs, check_output_rank
 
-Tag = tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class PosTag:
+    """A positional dimension ``dim`` of the argument or result."""
+
+    dim: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopTag:
+    """The sub-dimension of a named dimension that the serial ``loop`` consumes."""
+
+    loop: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class TileTag:
+    """The sub-dimension of the named dimension ``name`` that its vmap level consumes."""
+
+    name: str
+
+
+Tag = PosTag | LoopTag | TileTag
 Inner = Callable[[list, list], tuple[list, list]]
 
 
@@ -50,9 +73,9 @@ def split_layout(spec: AxisSpec, ndim: int, plan: Plan) -> list[Tag]:
     for dim in range(ndim):
         if dim in named:
             axis = plan.axis(named[dim])
-            tags += [("loop", loop) for loop in axis.loops] + [("tile", axis.name)]
+            tags += [LoopTag(loop) for loop in axis.loops] + [TileTag(axis.name)]
         else:
-            tags.append(("pos", dim))
+            tags.append(PosTag(dim))
     return tags
 
 
@@ -93,7 +116,7 @@ def _varies_error(outputs: _Outputs, j: int, name: str) -> NxopsError:
 
 def _tile_level(plan: Plan, name: str, inner: Inner, outputs: _Outputs) -> Inner:
     axis = plan.axis(name)
-    tag = ("tile", name)
+    tag = TileTag(name)
 
     def level(flat: list, layouts: list) -> tuple[list, list]:
         in_axes = tuple(lay.index(tag) if tag in lay else None for lay in layouts)
@@ -134,7 +157,7 @@ def _zeros_like_aval(aval):
 
 
 def _loop_level(loop, inner: Inner, outputs: _Outputs) -> Inner:
-    tag = ("loop", loop)
+    tag = LoopTag(loop)
 
     def level(flat: list, layouts: list) -> tuple[list, list]:
         scanned = [i for i, lay in enumerate(layouts) if tag in lay]
@@ -192,7 +215,7 @@ def _body_level(body: Callable, in_tree, plan: Plan, out_axes: Any, user_out_axe
         outputs.tree, outputs.specs, outputs.paths = tree, specs, paths
         outputs.layouts = [split_layout(s, x.ndim + len(s.names), plan)
                            for s, x in zip(specs, leaves)]
-        return leaves, [[t for t in lay if t[0] == "pos"] for lay in outputs.layouts]
+        return leaves, [[t for t in lay if isinstance(t, PosTag)] for lay in outputs.layouts]
     return level
 
 
@@ -225,7 +248,14 @@ def build_program(body: Callable, plan: Plan, in_tree, in_specs: list[AxisSpec],
 
     if plan.mesh is None:
         return local_program, outputs
+    return _over_mesh(local_program, plan, in_specs, outputs), outputs
 
+
+def _over_mesh(local_program: Callable, plan: Plan, in_specs: list[AxisSpec],
+               outputs: _Outputs) -> Callable:
+    """``local_program`` run under ``jax.shard_map`` over the plan's mesh axes
+    (inputs moved to the plan's sharding first, unless already inside a manual
+    region)."""
     def program(*flat):
         manual = jax.sharding.get_abstract_mesh().manual_axes
         if not manual:
@@ -247,4 +277,4 @@ def build_program(body: Callable, plan: Plan, in_tree, in_specs: list[AxisSpec],
         # devices, and JAX has no varying -> invariant cast to undo it for free.
         return jax.shard_map(sharded, mesh=mesh, in_specs=in_pspecs, out_specs=out_specs,
                              axis_names=frozenset(plan.mesh_axes), check_vma=False)(*flat)
-    return program, outputs
+    return program

@@ -9,7 +9,7 @@ import contextlib
 import contextvars
 import dataclasses
 import itertools
-from typing import Iterator
+from typing import Callable, Iterator
 
 from nxops._errors import NxopsError
 
@@ -71,6 +71,6 @@ def serial_loop(name: str, length: int) -> Iterator[None]:
         _LOOPS.reset(token)
 
 
-def loops_in_scope() -> tuple[NamedLoop, ...]:
-    """The named loops bound by enclosing ``serial_loop`` blocks."""
-    return _LOOPS.get()
+# The named loops bound by enclosing ``serial_loop`` blocks. A bound C method,
+# not a function: every xmap call reads it.
+loops_in_scope: Callable[[], tuple[NamedLoop, ...]] = _LOOPS.get

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from nxops._errors import NxopsError
 
@@ -59,8 +59,9 @@ def axis_rules(rules: Any) -> Iterator[None]:
         _RULES.reset(token)
 
 
-def current_axis_rules() -> Rules | None:
-    return _RULES.get()
+# The rules of the enclosing nx.axis_rules block. A bound C method, not a
+# function: every xmap call reads it.
+current_axis_rules: Callable[[], Rules | None] = _RULES.get
 
 
 def resources_from_rules(names: Sequence[str], rules: Rules) -> dict[str, tuple[str, ...]]:

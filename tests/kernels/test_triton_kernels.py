@@ -16,7 +16,7 @@ from nxops.kernels.triton import reduce as triton_reduce
 from nxops.kernels.triton import tile as triton_tile
 from nxops.kernels.xla import reduce as xla_reduce
 from nxops.kernels.xla import tile as xla_tile
-from tests.kernels._tolerances import FLOAT_DTYPES, TOLERANCES, assert_close
+from tests.kernels._tolerances import FLOAT_DTYPES, assert_close
 
 OPS = xla_reduce.REDUCE_OPS
 SETTINGS = hypothesis.settings(max_examples=15, deadline=None, derandomize=True,

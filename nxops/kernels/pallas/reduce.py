@@ -335,20 +335,7 @@ def _reduce_fwd(x, axes, op, platform, style):
 def _reduce_bwd(axes, op, platform, style, residuals, g):
     del platform, style
     x, out = residuals
-    axes = _normalize_axes(axes, x.ndim)
-    expand = lambda v: jnp.expand_dims(v, axes)  # noqa: E731
-    if op == "sum":
-        dx = jnp.broadcast_to(expand(g), x.shape)
-    elif op in ("max", "min"):
-        # As JAX's reduce_max/min JVP: ties share the cotangent equally.
-        hits = (x == expand(out)).astype(g.dtype)
-        dx = hits * expand(g / jnp.sum(hits, axis=axes))
-    elif op == "logsumexp":
-        dx = expand(g) * jnp.exp(x - expand(out))
-    else:  # prod: the reference's VJP handles zeros exactly
-        _, vjp = jax.vjp(lambda v: xla_reduce.reduce(v, axes=axes, op=op), x)
-        (dx,) = vjp(g)
-    return (dx.astype(x.dtype),)
+    return (xla_reduce.reduce_vjp(x, out, g, axes=axes, op=op),)
 
 
 _reduce.defvjp(_reduce_fwd, _reduce_bwd)
