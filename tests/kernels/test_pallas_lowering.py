@@ -181,11 +181,11 @@ def test_dot_general_blocks():
     (call,) = kernel_calls(lower_text(lambda a, b: pallas_dot.dot_general(
         a, b, dimension_numbers=dn, platform="cuda"), *args, platform="cuda"), "cuda")
     assert call["grid"] == (3, 48, 1) and (call["num_warps"], call["num_stages"]) == (8, 3)
-    # tpu: 256 x 256 output blocks, the whole K = 300 (under the 512 cap) in one step.
+    # tpu: 512 x 512 output blocks (cap), the whole K = 300 (under the 512 cap) in one step.
     (call,) = kernel_calls(lower_text(lambda a, b: pallas_dot.dot_general(
         a, b, dimension_numbers=dn, platform="tpu"), *args, platform="tpu"), "tpu")
-    assert call["grid"] == (3, 4, 3, 1)
-    assert call["blocks"] == [(1, 256, 300), (1, 300, 256), (1, 256, 256)]
+    assert call["grid"] == (3, 2, 2, 1)
+    assert call["blocks"] == [(1, 512, 300), (1, 300, 512), (1, 512, 512)]
 
 
 @hypothesis.settings(max_examples=25, deadline=None, derandomize=True)

@@ -41,7 +41,7 @@ PROGRAMS = {
                       ["nxops_reduce_rows_max", "nxops_reduce_rows_sum"]),
     "grad_columns_logsumexp": (_grad(lambda v: nx.logsumexp(v, 0)), [(1000, 3000)],
                                ["nxops_reduce_columns_logsumexp"]),
-    "matmul": (matmul, [(300, 700), (700, 500)], ["nxops_dot_general"]),
+    "matmul": (matmul, [(1000, 700), (700, 1100)], ["nxops_dot_general"]),
     "grad_matmul": (_grad(matmul, (0, 1)), [(300, 700), (700, 500)], ["nxops_dot_general"] * 3),
     "tile": (tile, [(1024, 384)], ["nxops_tile"]),
     "tile_lane_sparse": (tile, [(40, 100)], ["nxops_tile"]),
@@ -94,10 +94,10 @@ def test_each_kernel_declares_its_cost_and_xla_counts_it(compiled):
         n = 1000 * 3000
         assert lse.estimates == [(4 * n, n + 1000, (n + 1000) * itemsize)], (chip, dtype)
         mm = reports["matmul", dtype]
-        flops = 2 * 300 * 700 * 500
+        flops = 2 * 1000 * 700 * 1100
         ((mm_flops, _, mm_bytes),) = mm.estimates
-        # a read once per column of 256-wide tiles (2), b once per row of tiles (2)
-        assert (mm_flops, mm_bytes) == (flops, (2 * 300 * 700 + 2 * 700 * 500 + 300 * 500)
+        # 512 x 512 output tiles: a read once per column of tiles (3), b once per row (2)
+        assert (mm_flops, mm_bytes) == (flops, (3 * 1000 * 700 + 2 * 700 * 1100 + 1000 * 1100)
                                         * itemsize), (chip, dtype)
         # XLA's cost model adds the kernels' estimates to the program's cost
         assert lse.cost["transcendentals"] >= n, (chip, dtype, lse.cost)
