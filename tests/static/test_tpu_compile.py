@@ -102,7 +102,9 @@ def test_each_kernel_declares_its_cost_and_xla_counts_it(compiled):
         # XLA's cost model adds the kernels' estimates to the program's cost
         assert lse.cost["transcendentals"] >= n, (chip, dtype, lse.cost)
         assert mm.cost["flops"] >= flops, (chip, dtype, mm.cost)
-        assert mm.optimal_seconds >= flops / tpu.CHIPS[chip].bf16_flops / 2, (chip, mm.cost)
+        # (the estimate's bytes at the chip's bandwidth bound the time from below; XLA's
+        # model answers a negative time for some programs, this matmul among them)
+        assert lse.optimal_seconds >= n * itemsize / tpu.CHIPS[chip].bandwidth, (chip, lse.cost)
         for name in ("all_gather", "reduce_scatter", "tile"):
             (est,) = reports[name, dtype].estimates
             assert est[2] > 0, (chip, name, dtype)
