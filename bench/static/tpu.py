@@ -31,6 +31,7 @@ import time
 from typing import Any, Callable
 
 import jax
+import numpy as np
 from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -82,9 +83,9 @@ def topology(chip: str):
 
 
 def tpu_mesh(chip: str):
-    """A one-axis mesh ``"x"`` over every chip (TensorCore on v4) of the slice."""
-    topo = topology(chip)
-    return topologies.make_mesh(topo, (len(topo.devices),), ("x",))
+    """A one-axis mesh ``"x"`` over every device of the slice (a TensorCore on
+    v4, whose topology is not in megacore mode: ``topologies.make_mesh`` refuses it)."""
+    return jax.sharding.Mesh(np.asarray(topology(chip).devices), ("x",))
 
 
 def compile_tpu(fn: Callable, *args: jax.ShapeDtypeStruct, chip: str = "v5e") -> TpuCompileReport:
