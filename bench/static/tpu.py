@@ -271,7 +271,10 @@ error would have stopped the generation.
   model of the whole program, which counts each Mosaic kernel by its
   `CostEstimate`; *jnp baseline*: the same for the program written with
   `jnp`/`lax` (the reference time). n/a: XLA's model answered a negative time
-  (it does for the matmul gradients).
+  (it does for the matmul gradients). A Mosaic kernel's share of that time
+  comes from the estimate it declares (analytic bytes and FLOPs, not Mosaic's
+  code): the column shows what XLA adds around kernels (relayouts, copies,
+  padding) and whether the declared traffic beats the baseline's fusions.
 - *roofline*: minimum bytes / HBM bandwidth (819, 2765, 1640 GB/s) or
   FLOPs / dense bf16 peak (197, 459, 918 TFLOP/s), whichever is larger.
   Collectives: HBM bytes only (ICI not modelled).
