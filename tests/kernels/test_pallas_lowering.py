@@ -181,11 +181,11 @@ def test_dot_general_blocks():
     (call,) = kernel_calls(lower_text(lambda a, b: pallas_dot.dot_general(
         a, b, dimension_numbers=dn, platform="cuda"), *args, platform="cuda"), "cuda")
     assert call["grid"] == (3, 48, 1) and (call["num_warps"], call["num_stages"]) == (8, 3)
-    # tpu: 256 x 256 output blocks, the whole K = 300 (under the 512 cap) in one step.
+    # tpu: 512 x 512 output blocks (cap), the whole K = 300 (under the 512 cap) in one step.
     (call,) = kernel_calls(lower_text(lambda a, b: pallas_dot.dot_general(
         a, b, dimension_numbers=dn, platform="tpu"), *args, platform="tpu"), "tpu")
-    assert call["grid"] == (3, 4, 3, 1)
-    assert call["blocks"] == [(1, 256, 300), (1, 300, 256), (1, 256, 256)]
+    assert call["grid"] == (3, 2, 2, 1)
+    assert call["blocks"] == [(1, 512, 300), (1, 300, 512), (1, 512, 512)]
 
 
 @hypothesis.settings(max_examples=25, deadline=None, derandomize=True)
@@ -221,11 +221,17 @@ def test_tile_lowers(platform, shape, dim, count):
 
 
 def test_tile_blocks_tpu():
-    # The tile's 1024 elements per outer row as [8, 128]; all 8 outer rows in one block.
+    # The tile keeps the array's last dim (1024 lanes, no relayout); all 8 outer rows in
+    # one block.
     text = lower_text(lambda x, i: pallas_tile.tile(x, i, dim=1, count=4, platform="tpu"),
                       spec((8, 4, 1024), jnp.float32), spec((), jnp.int32), platform="tpu")
     (call,) = kernel_calls(text, "tpu")
-    assert call["grid"] == (1, 1) and call["blocks"] == [(8, 1, 8, 128), (8, 8, 128)]
+    assert call["grid"] == (1, 1, 1) and call["blocks"] == [(8, 1, 1, 1024), (8, 1, 1024)]
+    # Tiling the last dim: the tile's 1024 elements as [8, 128].
+    text = lower_text(lambda x, i: pallas_tile.tile(x, i, dim=1, count=4, platform="tpu"),
+                      spec((8, 4096), jnp.float32), spec((), jnp.int32), platform="tpu")
+    (call,) = kernel_calls(text, "tpu")
+    assert call["grid"] == (1, 1, 1) and call["blocks"] == [(8, 1, 8, 128), (8, 8, 128)]
 
 
 @pytest.mark.parametrize("n_tiles_m,n_tiles_n", [(1, 1), (3, 5), (8, 6), (17, 3), (9, 64)])

@@ -142,9 +142,11 @@ DEFAULT_CAPS: dict[str, dict[str, int]] = {
     "triton": {"rows": 64, "cols": 1024, "tile": 4096,
                "m": 128, "n": 128, "k": 64},   # matmul: see dot_general.triton_matmul_config
     # mosaic: ~2 MiB f32 input blocks (double-buffered: well under the
-    # 16 MiB default scoped VMEM); matmul blocks feed the 128/256-wide MXU.
+    # 16 MiB default scoped VMEM); 512x512 matmul output tiles (f32: ~7 MiB of
+    # VMEM) read each operand N/512 or M/512 times: 256 FLOP per bf16 byte, over
+    # v5e's 240 (bench/static/TPU.md: 8192^3 bf16 was memory-bound with 256x256).
     "mosaic": {"rows": 256, "cols": 2048, "tile": 512 * 1024,
-               "m": 256, "n": 256, "k": 512},
+               "m": 512, "n": 512, "k": 512},
 }
 
 _CAPS: contextvars.ContextVar[dict[str, dict[str, int]]] = contextvars.ContextVar(

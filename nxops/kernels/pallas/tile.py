@@ -12,8 +12,10 @@ the end, then clamped to ``[0, count)``.
 
 - Mosaic (TPU): the block index comes from scalar prefetch
   (``PrefetchScalarGridSpec(num_scalar_prefetch=1)``): the index map reads
-  it, so the pipeline DMAs only the chosen tile. ``tile_len`` is laid out as
-  ``[tile_len / 128, 128]`` (dense vregs) when divisible, else ``[1, tile_len]``.
+  it, so the pipeline DMAs only the chosen tile. The view keeps the array's
+  last dim as lanes (a free reshape in TPU's tiled layout, see
+  ``_tile_mosaic``); tiling the last dim itself, ``tile_len`` is laid out as
+  ``[tile_len / 128, 128]`` when divisible, else ``[1, tile_len]``.
 - Triton (GPU): Pallas Triton has no scalar prefetch, so the index is a
   one-element input the kernel loads before its masked block copy.
 
@@ -42,24 +44,32 @@ def _copy_kernel_mosaic(index_ref, x_ref, o_ref):
     o_ref[...] = x_ref[...]
 
 
-def _tile_mosaic(x3, index, target: Target) -> jax.Array:
+def _tile_mosaic(x3, index, target: Target, lanes: int | None) -> jax.Array:
+    """``lanes``: the array's last dim when the tile keeps it (``dim`` is not
+    the last dim). Viewing ``[outer, count, rows, lanes]`` then splits only
+    dims before the last, which TPU's tiled HBM layout does for free when the
+    split falls on a sublane tile; changing the last dim would relayout (copy)
+    the whole array before the kernel and the tile after it."""
     n_outer, count, tile_len = x3.shape
-    rows, lanes = (tile_len // 128, 128) if tile_len % 128 == 0 else (1, tile_len)
+    if lanes is None:  # tiling the last dim: dense [tile_len / 128, 128] rows when possible
+        lanes = 128 if tile_len % 128 == 0 else tile_len
+    rows = tile_len // lanes
     x4 = x3.reshape(n_outer, count, rows, lanes)
     br = _common.block_size("mosaic", rows, "rows", align=8)
-    padded_rows = -(-br // 8) * 8  # VMEM pads the sublane dim to 8
-    bo = max(1, min(n_outer, _common.cap("mosaic", "tile") // (padded_rows * lanes)))
+    bl = _common.block_size("mosaic", lanes, "cols", align=128)
+    padded = -(-br // 8) * 8 * -(-bl // 128) * 128  # VMEM pads blocks to (8, 128) tiles
+    bo = max(1, min(n_outer, _common.cap("mosaic", "tile") // padded))
     out = pl.pallas_call(
         _copy_kernel_mosaic,
         out_shape=jax.ShapeDtypeStruct((n_outer, rows, lanes), x3.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
-            grid=(pl.cdiv(n_outer, bo), pl.cdiv(rows, br)),
-            in_specs=[pl.BlockSpec((bo, None, br, lanes), lambda o, r, idx: (o, idx[0], r, 0))],
-            out_specs=pl.BlockSpec((bo, br, lanes), lambda o, r, idx: (o, r, 0))),
+            grid=(pl.cdiv(n_outer, bo), pl.cdiv(rows, br), pl.cdiv(lanes, bl)),
+            in_specs=[pl.BlockSpec((bo, None, br, bl), lambda o, r, l, idx: (o, idx[0], r, l))],
+            out_specs=pl.BlockSpec((bo, br, bl), lambda o, r, l, idx: (o, r, l))),
         name="nxops_tile",
         cost_estimate=_common.copy_cost((x3.shape[0], x3.shape[2]), x3.dtype),
-        **_common.call_kwargs(target, dimension_semantics=("parallel", "parallel")),
+        **_common.call_kwargs(target, dimension_semantics=("parallel",) * 3),
     )(index.reshape(1), x4)
     return out.reshape(n_outer, tile_len)
 
@@ -104,7 +114,10 @@ def tile_forward(x, index, dim: int, count: int, target: Target) -> jax.Array:
     out_shape = x.shape[:dim] + (size,) + x.shape[dim + 1:]
     x3 = x.reshape(math.prod(x.shape[:dim]), count, size * math.prod(x.shape[dim + 1:]))
     index = effective_index(index, count)
-    tiled = (_tile_triton if target.style == "triton" else _tile_mosaic)(x3, index, target)
+    if target.style == "triton":
+        tiled = _tile_triton(x3, index, target)
+    else:
+        tiled = _tile_mosaic(x3, index, target, x.shape[-1] if dim < x.ndim - 1 else None)
     return tiled.reshape(out_shape)
 
 
