@@ -156,6 +156,29 @@ def block_size(style: str, dim: int, cap_name: str, *, minimum: int = 1,
     return dim if dim <= limit else limit
 
 
+# GPU programs to aim for when a kernel can split its work (the reduced axis of
+# a reduction): two per SM of an H100 (132 SMs), so that an A100 (108) and an
+# H100 both get at least one CTA per SM. Chosen without asking the device.
+MIN_GPU_PROGRAMS = 2 * 132
+
+# A split never leaves a program fewer than this many blocks to walk (the
+# second pass and the launch must stay small next to the first).
+MIN_STEPS_PER_PROGRAM = 4
+
+
+def split_count(programs: int, n_blocks: int) -> tuple[int, int]:
+    """``(split, blocks per piece)`` cutting ``n_blocks`` consecutive blocks into
+    pieces so that ``programs * split >= MIN_GPU_PROGRAMS`` when the blocks
+    allow it (each piece at least ``MIN_STEPS_PER_PROGRAM`` blocks);
+    ``(1, n_blocks)`` when ``programs`` are already enough or the axis is short."""
+    want = -(-MIN_GPU_PROGRAMS // programs)
+    split = min(want, n_blocks // MIN_STEPS_PER_PROGRAM)
+    if split <= 1:
+        return 1, n_blocks
+    per_piece = n_blocks // split          # floor: at least `split` pieces
+    return -(-n_blocks // per_piece), per_piece
+
+
 def num_warps_for(elements: int) -> int:
     """Triton warps for a per-program tile of ``elements`` values: about 16-32
     values per thread, 1 to 8 warps."""
