@@ -29,6 +29,8 @@ def compiled(request):
         out["rows_sum", name] = _pallas(lambda v: nx.sum(v, 1), big, arch=arch)
         out["rows_lse", name] = _pallas(lambda v: nx.logsumexp(v, 1), big, arch=arch)
         out["columns_max", name] = _pallas(lambda v: nx.max(v, 0), big, arch=arch)
+        out["columns_lse", name] = _pallas(lambda v: nx.logsumexp(v, 0), big, arch=arch)
+        out["single_row_sum", name] = _pallas(lambda v: nx.sum(v, (0, 1)), big, arch=arch)
         out["matmul", name] = _pallas(lambda a, b: nx.einsum("mk,kn->mn", a, b), big, big,
                                       arch=arch)
         out["matmul_grad", name] = _pallas(jax.grad(
@@ -56,11 +58,41 @@ def test_matmul_kernels_use_the_architectures_tensor_cores(compiled):
                 assert k.tensor_core and k.tensor_core.startswith(want), (arch, key, k)
 
 
-def test_large_row_reductions_launch_at_least_one_cta_per_sm(compiled):
+REDUCTIONS = ("rows_sum", "rows_lse", "columns_max", "columns_lse", "single_row_sum")
+
+
+def _first_pass(report):
+    """The reduction kernel that reads the input (a split adds a second,
+    ``nxops_reduce_*__1``, over the partial results)."""
+    (k,) = [k for k in report.kernels if k.name.startswith("nxops_reduce") and "__" not in k.name]
+    return k
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_large_reductions_launch_at_least_one_cta_per_sm_whatever_the_axes(compiled, dtype):
+    # 4096x4096 is 64 / 32 MiB: rows, columns (reduced dim split across
+    # programs) and the whole array as one long row all fill every SM.
     arch, reports = compiled
-    for key in (("rows_sum", "float32"), ("rows_lse", "bfloat16")):
-        (k,) = [k for k in reports[key].kernels if k.name.startswith("nxops_reduce")]
-        assert k.blocks >= gpu.ARCHS[arch].sm_count, (arch, key, k.grid)
+    for name in REDUCTIONS:
+        k = _first_pass(reports[name, dtype])
+        assert k.blocks >= gpu.ARCHS[arch].sm_count, (arch, name, dtype, k.grid)
+
+
+def test_split_reductions_add_one_small_second_pass(compiled):
+    arch, reports = compiled
+    for name in ("columns_max", "columns_lse", "single_row_sum"):
+        kernels = [k for k in reports[name, "float32"].kernels if k.name.startswith("nxops_reduce")]
+        assert len(kernels) == 2, (arch, name, [k.name for k in kernels])
+        first, second = sorted(kernels, key=lambda k: -k.blocks)
+        assert second.blocks <= first.blocks // 32, (arch, name, first.grid, second.grid)
+
+
+def test_logsumexp_keeps_per_lane_statistics_at_four_ctas_per_sm(compiled):
+    arch, reports = compiled
+    for name in ("rows_lse", "columns_lse"):
+        for dtype in ("float32", "bfloat16"):
+            k = _first_pass(reports[name, dtype])
+            assert k.ctas_per_sm >= 4, (arch, name, dtype, k.registers, k.ctas_per_sm)
 
 
 def test_occupancy_follows_from_registers_threads_and_shared_memory():
