@@ -241,8 +241,11 @@ def _row_reduce_call(x2, op: str, target: Target, out_dtype, *, may_split: bool 
     pow2 = op == "prod"
     if style == "triton":
         tile = _triton_tile(op)
-        br = min(_common.block_size(style, n_reduced, "cols"), tile)
         bo = _common.block_size(style, n_outer, "rows")
+        # A few long rows take wider blocks (a whole tile for one row), so
+        # that each program keeps all its warps busy.
+        wide = max(_common.cap(style, "cols"), tile // bo)
+        br = min(_common.next_power_of_2(n_reduced), _common.next_power_of_2(wide), tile)
         bo = min(bo, max(1, tile // br))
         n_blocks = pl.cdiv(n_reduced, br)
         split, piece_blocks = (_common.split_count(pl.cdiv(n_outer, bo), n_blocks) if may_split
