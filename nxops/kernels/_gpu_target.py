@@ -1,54 +1,66 @@
-"""The CUDA compute capability GPU kernels are built for.
+"""Which GPU the kernels are being built for, known at lowering with or
+without a GPU attached.
 
-It is the device's, unless :func:`compiling_for` names one: that is how the
-deviceless compile harness (``bench/static/gpu.py``) builds for an H100 or an
-A100 on a machine with no GPU. Kernels read it while they are traced or
-lowered to pick per-architecture configurations.
+``nxops.ops`` lowers each kernel inside ``target_devices(devices)``, the
+devices of the lowering context (on a deviceless compile, those of the target
+topology, which carry ``compute_capability``). Else the first local GPU tells,
+else compute capability 9.0 (H100), which Pallas' own Triton lowering also
+assumes when it finds no GPU. The Pallas matmul picks its configuration row
+by :func:`gpu_arch`; jax-triton compiles for :func:`compute_capability`.
 """
 from __future__ import annotations
 
 import contextlib
-import functools
-from typing import Iterator
+import contextvars
+from typing import Iterator, Sequence
 
 import jax
 
-from nxops._jax import config as _jax_config
+ARCHS = ("sm90", "sm80")   # wgmma (Hopper) | mma.sync (Ampere, Ada)
+DEFAULT_COMPUTE_CAPABILITY = 90
 
-# 0: ask the device. Part of the jit key: compiling for another GPU retraces.
-_COMPUTE_CAPABILITY = _jax_config.int_state(
-    "nxops_cuda_compute_capability", 0,
-    "The CUDA compute capability nxops' GPU kernels are built for (0: the device's).",
-    include_in_jit_key=True, include_in_trace_context=True)
+_TARGET: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "nxops_gpu_target_compute_capability", default=None)
 
-DEFAULT_COMPUTE_CAPABILITY = 90   # with no device to ask: an H100
+
+def capability_of(device) -> int | None:
+    """A CUDA device's compute capability as an int (``"9.0"`` -> 90), else None."""
+    capability = getattr(device, "compute_capability", None)
+    if capability is None or getattr(device, "platform", "gpu") not in ("gpu", "cuda"):
+        return None
+    major, _, minor = str(capability).partition(".")
+    return int(major) * 10 + int(minor or 0)
+
+
+def arch_of(device) -> str | None:
+    """``sm90`` for compute capability 9.x and later, ``sm80`` for 8.x, else None."""
+    capability = capability_of(device)
+    return None if capability is None else ("sm90" if capability >= 90 else "sm80")
 
 
 @contextlib.contextmanager
-def compiling_for(compute_capability: int) -> Iterator[None]:
-    """Builds the GPU kernels traced in the block for ``compute_capability``
-    (e.g. 90 for H100, 80 for A100), with or without such a device."""
-    with _COMPUTE_CAPABILITY(int(compute_capability)):
-        yield
-
-
-@functools.cache
-def _device_compute_capability() -> int | None:
+def target_devices(devices: Sequence) -> Iterator[None]:
+    """Kernels built within this block target the first of ``devices`` (when
+    it is a CUDA GPU; otherwise the enclosing choice stays)."""
+    capability = capability_of(devices[0]) if devices else None
+    token = _TARGET.set(capability or _TARGET.get())
     try:
-        device = jax.devices("cuda")[0]
-    except RuntimeError:  # no cuda backend
-        return None
-    major, _, minor = str(getattr(device, "compute_capability", "")).partition(".")
-    return int(major) * 10 + int(minor or 0) if major.isdigit() else None
+        yield
+    finally:
+        _TARGET.reset(token)
 
 
 def compute_capability() -> int:
-    """The compute capability the kernels are being built for."""
-    return (_COMPUTE_CAPABILITY.value or _device_compute_capability()
-            or DEFAULT_COMPUTE_CAPABILITY)
+    """The compute capability GPU kernels are being built for (see the module docstring)."""
+    if (capability := _TARGET.get()) is not None:
+        return capability
+    try:
+        local = jax.local_devices(backend="gpu")
+    except RuntimeError:
+        local = []
+    return (capability_of(local[0]) if local else None) or DEFAULT_COMPUTE_CAPABILITY
 
 
-def arch() -> str:
-    """``"sm90"`` (Hopper and later) or ``"sm80"`` (Ampere): the rows of the
-    kernels' configuration tables."""
+def gpu_arch() -> str:
+    """The architecture GPU kernels are being built for: a row of their tables."""
     return "sm90" if compute_capability() >= 90 else "sm80"

@@ -24,15 +24,22 @@ def canonical_view(shape: tuple[int, ...], axes: tuple[int, ...]):
 
 # Programs a GPU launch should have: two per SM on an H100 (132 SMs; an A100
 # has 108). Reductions and split-K matmuls split their long axis to get there.
-GPU_TARGET_PROGRAMS = 264
+GPU_TARGET_PROGRAMS = 2 * 132
+
+# A split never leaves a program fewer than this many blocks to walk (the
+# second pass and the launch must stay small next to the first).
+MIN_STEPS_PER_PROGRAM = 4
 
 
-def pieces(n_reduced: int, block: int, programs: int, *, target: int = GPU_TARGET_PROGRAMS,
-           min_blocks: int = 4) -> tuple[int, int]:
-    """(piece length, number of pieces) cutting a reduced axis of
-    ``n_reduced`` so that ``programs`` programs per piece reach ``target``,
-    with pieces of whole ``block`` s and at least ``min_blocks`` of them."""
-    wanted = cdiv(target, programs)
-    affordable = max(1, n_reduced // (block * min_blocks))
-    piece_len = cdiv(cdiv(n_reduced, min(wanted, affordable)), block) * block
-    return piece_len, cdiv(n_reduced, piece_len)
+def split_count(programs: int, n_blocks: int, *, target: int = GPU_TARGET_PROGRAMS,
+                min_steps: int = MIN_STEPS_PER_PROGRAM) -> tuple[int, int]:
+    """``(split, blocks per piece)`` cutting ``n_blocks`` consecutive blocks into
+    pieces so that ``programs * split >= target`` when the blocks allow it
+    (each piece at least ``min_steps`` blocks); ``(1, n_blocks)`` when
+    ``programs`` are already enough or the axis is short."""
+    want = cdiv(target, programs)
+    split = min(want, n_blocks // min_steps)
+    if split <= 1:
+        return 1, n_blocks
+    per_piece = n_blocks // split          # floor: at least `split` pieces
+    return cdiv(n_blocks, per_piece), per_piece

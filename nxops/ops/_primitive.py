@@ -62,11 +62,25 @@ def _lower_with_kernel(ctx, *args, registry_op: str, platform: str, naming_param
     # no shard_map varying-axes types) outside any mesh context.
     local_ctx = ctx.replace(avals_in=[_local_aval(a) for a in ctx.avals_in],
                             avals_out=[_local_aval(a) for a in ctx.avals_out])
-    with jax.sharding.use_abstract_mesh(_NO_MESH), jax_config._check_vma(False):
+    with (jax.sharding.use_abstract_mesh(_NO_MESH), jax_config._check_vma(False),
+          _kernels.target_devices(_lowering_devices(ctx))):
         return mlir.lower_fun(fn, multiple_results=False)(local_ctx, *args)
 
 
 _NO_MESH = jax.sharding.AbstractMesh((), ())
+
+
+def _lowering_devices(ctx) -> tuple:
+    """The devices this module is lowered for (the target topology's on a
+    deviceless compile): they tell the kernels which GPU to build for."""
+    axis_context = ctx.module_context.axis_context
+    if getattr(axis_context, "device_assignment", None):
+        return tuple(axis_context.device_assignment)
+    devices = getattr(getattr(axis_context, "mesh", None), "devices", None)
+    if devices is not None and getattr(devices, "size", 0):
+        return tuple(devices.flat)
+    backend = ctx.module_context.backend   # e.g. the compile-only client of a topology
+    return tuple(backend.devices()) if backend is not None else ()
 
 
 def _is_auto_partitioned(ctx) -> bool:

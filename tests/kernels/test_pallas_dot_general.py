@@ -13,7 +13,7 @@ import pytest
 from jax import lax
 
 from nxops._errors import NxopsError
-from nxops.kernels import _registry
+from nxops.kernels import _gpu_target, _registry
 from nxops.kernels.pallas import dot_general as pallas_dot
 from nxops.kernels.xla import dot_general as xla_dot
 from tests.kernels._tolerances import assert_close, small_blocks
@@ -207,3 +207,29 @@ def test_bf16_matmul_under_a_global_matmul_precision_matches_numpy(style, precis
     np.testing.assert_allclose(np.asarray(grad, np.float32),
                                np.broadcast_to(np.asarray(b, np.float32).sum(1), a.shape),
                                rtol=2e-2, atol=2e-1)
+
+
+@pytest.mark.parametrize("arch,itemsize,shape,want", [
+    ("sm90", 2, (4096, 4096, 4096), (128, 256, 64, 8, 3)),    # wgmma m64n256, enough tiles
+    ("sm90", 2, (1024, 1024, 1024), (128, 128, 64, 8, 3)),    # 128x256 would leave SMs idle
+    ("sm90", 4, (4096, 4096, 4096), (128, 128, 32, 8, 3)),    # TF32
+    ("sm80", 2, (4096, 4096, 4096), (128, 128, 64, 8, 3)),    # mma.sync within 163 KiB
+    ("sm80", 4, (4096, 4096, 4096), (128, 128, 32, 8, 3)),
+    ("sm90", 2, (8, 4096, 4096), (16, 128, 64, 2, 3)),        # skinny: no 128-row tile
+    ("sm80", 4, (8, 20, 8), (16, 16, 32, 2, 3)),
+])
+def test_triton_matmul_config_is_chosen_per_architecture_and_shape(arch, itemsize, shape, want):
+    n_m, n_k, n_n = shape
+    assert pallas_dot.triton_matmul_config(n_m, n_n, n_k, itemsize, arch) == want
+
+
+def test_gpu_arch_comes_from_the_lowering_devices_else_defaults_to_hopper():
+    class FakeGpu:
+        platform, compute_capability = "gpu", "8.0"
+
+    assert _gpu_target.gpu_arch() == "sm90"                  # no GPU here: Pallas' own default
+    with _gpu_target.target_devices([FakeGpu()]):
+        assert _gpu_target.gpu_arch() == "sm80"
+        with _gpu_target.target_devices(jax.devices("cpu")):  # not a GPU: the choice stays
+            assert _gpu_target.gpu_arch() == "sm80"
+    assert _gpu_target.gpu_arch() == "sm90"

@@ -34,6 +34,7 @@ CASES = [
     ((2, 3, 4), (0, 1, 2)),
     ((6, 7), ()),
     ((1, 4096), (1,)),
+    ((2, 301, 3), (1,)),   # columns cut into pieces (Triton), odd sizes
 ]
 
 
@@ -141,11 +142,23 @@ def test_random_shapes_and_axes(data):
     assert_close(got, xla_reduce.reduce(x, axes=axes, op=op), jnp.float32, sum_scale(shape, axes))
 
 
-@pytest.mark.parametrize("style", STYLES)
-def test_long_single_row_is_split_into_pieces(style):
-    with small_blocks(style):
-        assert pallas_reduce._row_split(1, 4096, style) > 1
-        assert pallas_reduce._row_split(512, 4096, style) == 1
+def test_long_single_row_is_split_into_pieces_mosaic():
+    with small_blocks("mosaic"):
+        assert pallas_reduce._row_split(1, 4096, "mosaic") > 1
+        assert pallas_reduce._row_split(512, 4096, "mosaic") == 1
+
+
+def test_gpu_split_reaches_the_program_target_with_no_empty_piece():
+    target, steps = _layout.GPU_TARGET_PROGRAMS, _layout.MIN_STEPS_PER_PROGRAM
+    for programs in (1, 4, 32, 100, 263):
+        for n_blocks in (4 * target, 1024, 1000, 750, 77):
+            split, per_piece = _layout.split_count(programs, n_blocks)
+            assert per_piece >= steps or split == 1
+            assert (split - 1) * per_piece < n_blocks <= split * per_piece   # no empty piece
+            if n_blocks >= steps * target:
+                assert programs * split >= target, (programs, n_blocks, split)
+    assert _layout.split_count(target, 10**6) == (1, 10**6)      # enough programs already
+    assert _layout.split_count(1, 7) == (1, 7)                   # too short to cut
 
 
 def test_canonical_view_moves_data_only_for_non_contiguous_axes():

@@ -91,7 +91,6 @@ def test_compiling_for_cuda_still_works_after_an_interpreted_launch():
     interpreter; the bridge must undo it, or later compilations fail."""
     import jax
     import jax.numpy as jnp
-    from nxops.kernels import _gpu_target
     from nxops.kernels.triton import _launch
 
     x = np.ones((4, 7), np.float32)
@@ -102,7 +101,6 @@ def test_compiling_for_cuda_still_works_after_an_interpreted_launch():
                               out_shape=[jax.ShapeDtypeStruct((4,), jnp.float32)],
                               grid=(4,), BC=8)[0]
 
-    with _gpu_target.compiling_for(90):
-        text = jax.jit(on_cuda).trace(jax.ShapeDtypeStruct((4, 7), jnp.float32)).lower(
-            lowering_platforms=("cuda",)).as_text()
+    text = jax.jit(on_cuda).trace(jax.ShapeDtypeStruct((4, 7), jnp.float32)).lower(
+        lowering_platforms=("cuda",)).as_text()   # no GPU: compute capability 9.0
     assert "triton_kernel_call" in text

@@ -1,6 +1,8 @@
 """Programs compiled for H100 and A100 on this CPU-only machine (XLA's GPU
 compiler, ptxas from the nvcc wheel): the Pallas kernels' launch and resources,
 and the collectives of sharded nx.xmap programs on 8 H100s at the ring bound."""
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -29,8 +31,12 @@ def compiled(request):
         out["rows_sum", name] = _pallas(lambda v: nx.sum(v, 1), big, arch=arch)
         out["rows_lse", name] = _pallas(lambda v: nx.logsumexp(v, 1), big, arch=arch)
         out["columns_max", name] = _pallas(lambda v: nx.max(v, 0), big, arch=arch)
+        out["columns_lse", name] = _pallas(lambda v: nx.logsumexp(v, 0), big, arch=arch)
+        out["single_row_sum", name] = _pallas(lambda v: nx.sum(v, (0, 1)), big, arch=arch)
         out["matmul", name] = _pallas(lambda a, b: nx.einsum("mk,kn->mn", a, b), big, big,
                                       arch=arch)
+        out["matmul_skinny", name] = _pallas(lambda a, b: nx.einsum("mk,kn->mn", a, b),
+                                             S((8, 4096), dtype), big, arch=arch)
         out["matmul_grad", name] = _pallas(jax.grad(
             lambda a, b: nx.einsum("mk,kn->mn", a, b).astype(jnp.float32).sum(), argnums=(0, 1)),
             big, big, arch=arch)
@@ -47,20 +53,74 @@ def test_every_pallas_kernel_compiles_with_no_spills(compiled):
         assert k.ctas_per_sm >= 1, f"{arch} {k.name} does not fit an SM"
 
 
+def _tensor_core_n(k) -> int:
+    return int(re.search(r"n(\d+)k", k.tensor_core).group(1))
+
+
 def test_matmul_kernels_use_the_architectures_tensor_cores(compiled):
+    # f32 at DEFAULT precision runs TF32 tensor cores (k8 shapes).
     arch, reports = compiled
     want = "wgmma." if arch == "h100" else "mma."
     for key in (("matmul", "float32"), ("matmul", "bfloat16"), ("matmul_grad", "bfloat16")):
         for k in reports[key].kernels:
             if k.name.startswith("nxops_dot_general"):
                 assert k.tensor_core and k.tensor_core.startswith(want), (arch, key, k)
+                if arch == "h100":
+                    assert _tensor_core_n(k) >= 128, (key, k.tensor_core)
 
 
-def test_large_row_reductions_launch_at_least_one_cta_per_sm(compiled):
+def test_matmul_configuration_follows_the_architecture_and_shape(compiled):
     arch, reports = compiled
-    for key in (("rows_sum", "float32"), ("rows_lse", "bfloat16")):
-        (k,) = [k for k in reports[key].kernels if k.name.startswith("nxops_reduce")]
-        assert k.blocks >= gpu.ARCHS[arch].sm_count, (arch, key, k.grid)
+    big = reports["matmul", "bfloat16"].kernel("nxops_dot_general")
+    # 4096^2 outputs: 128x256 tiles on H100 (512 programs), 128x128 on A100 (1024).
+    assert big.blocks == {"h100": 512, "a100": 1024}[arch], (arch, big.grid)
+    assert big.warps == 8
+    skinny = reports["matmul_skinny", "bfloat16"].kernel("nxops_dot_general")
+    assert skinny.blocks == 4096 // 128 and skinny.warps == 2, (arch, skinny)   # 16x128 tiles
+
+
+def test_highest_precision_f32_matmul_stays_off_tensor_cores():
+    S32 = S((1024, 1024), jnp.float32)
+    with jax.default_matmul_precision("highest"):
+        report = _pallas(lambda a, b: nx.einsum("mk,kn->mn", a, b), S32, S32, arch="h100")
+    assert report.kernel("nxops_dot_general").tensor_core is None
+
+
+REDUCTIONS = ("rows_sum", "rows_lse", "columns_max", "columns_lse", "single_row_sum")
+
+
+def _first_pass(report):
+    """The reduction kernel that reads the input (a split adds a second,
+    ``nxops_reduce_*__1``, over the partial results)."""
+    (k,) = [k for k in report.kernels if k.name.startswith("nxops_reduce") and "__" not in k.name]
+    return k
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_large_reductions_launch_at_least_one_cta_per_sm_whatever_the_axes(compiled, dtype):
+    # 4096x4096 is 64 / 32 MiB: rows, columns (reduced dim split across
+    # programs) and the whole array as one long row all fill every SM.
+    arch, reports = compiled
+    for name in REDUCTIONS:
+        k = _first_pass(reports[name, dtype])
+        assert k.blocks >= gpu.ARCHS[arch].sm_count, (arch, name, dtype, k.grid)
+
+
+def test_split_reductions_add_one_small_second_pass(compiled):
+    arch, reports = compiled
+    for name in ("columns_max", "columns_lse", "single_row_sum"):
+        kernels = [k for k in reports[name, "float32"].kernels if k.name.startswith("nxops_reduce")]
+        assert len(kernels) == 2, (arch, name, [k.name for k in kernels])
+        first, second = sorted(kernels, key=lambda k: -k.blocks)
+        assert second.blocks <= first.blocks // 32, (arch, name, first.grid, second.grid)
+
+
+def test_logsumexp_keeps_per_lane_statistics_at_four_ctas_per_sm(compiled):
+    arch, reports = compiled
+    for name in ("rows_lse", "columns_lse"):
+        for dtype in ("float32", "bfloat16"):
+            k = _first_pass(reports[name, dtype])
+            assert k.ctas_per_sm >= 4, (arch, name, dtype, k.registers, k.ctas_per_sm)
 
 
 def test_occupancy_follows_from_registers_threads_and_shared_memory():

@@ -40,6 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
+from nxops.kernels import _gpu_target, _layout
 from nxops.kernels._registry import Kernel, register
 from nxops.kernels.pallas import _common
 from nxops.kernels.xla.dot_general import free_dims
@@ -63,21 +64,57 @@ def _grouped_tile(pid, n_tiles_m: int, n_tiles_n: int):
     return first_m + (pid % per_group) % rows_here, (pid % per_group) // rows_here
 
 
-def triton_matmul_config(n_m: int, n_n: int, n_k: int, itemsize: int) -> tuple[int, ...]:
-    """(bm, bn, bk, warps, stages) for the Triton matmul, valid on sm_80 and sm_90.
+# (arch, operand bytes, shape class) -> (bm, bn, bk, warps, stages) for
+# shapes whose M and N reach the tile ("large": M, N >= 128; "wide": also
+# N >= 256 and enough 128x256 tiles to fill the GPU). H100 (sm90): 128x256 bf16 tiles in one pass of wgmma m64n256
+# (8 warps = two warpgroups, 3 stages: 144 KiB of its 227 KiB shared memory);
+# f32 runs TF32 wgmma with K blocks of 32. A100 (sm80): mma.sync on 128x128
+# tiles, 3 stages within its 163 KiB. Smaller dims: see triton_matmul_config.
+_TRITON_MATMUL_TABLE = {
+    ("sm90", 2, "wide"): (128, 256, 64, 8, 3),
+    ("sm90", 2, "large"): (128, 128, 64, 8, 3),
+    ("sm90", 4, "large"): (128, 128, 32, 8, 3),
+    ("sm80", 2, "large"): (128, 128, 64, 8, 3),
+    ("sm80", 4, "large"): (128, 128, 32, 8, 3),
+}
 
-    Large shapes take 128x128 tiles with 8 warps (wgmma m64n128 on H100,
-    mma.sync m16n8k16 on A100); K blocks keep 3 stages of both operands within
-    A100's 163 KiB of shared memory (64 for 2-byte types, 32 for f32/TF32).
-    Small or skinny dims take the next power of two (at least 16): no 128-row
-    tile on an 8-row matrix. The ``block_caps`` in force bound all three.
+
+def _shape_class(n_m: int, n_n: int) -> str:
+    """"wide" only when 128x256 tiles still give every SM a program (about
+    half of ``_layout.GPU_TARGET_PROGRAMS``: 1024^2 would run 32 programs on 132 SMs)."""
+    if n_m >= 128 and n_n >= 256 and -(-n_m // 128) * -(-n_n // 256) >= _layout.GPU_TARGET_PROGRAMS // 2:
+        return "wide"
+    return "large" if n_m >= 128 and n_n >= 128 else "small"
+
+
+def triton_matmul_config(n_m: int, n_n: int, n_k: int, itemsize: int,
+                         arch: str | None = None) -> tuple[int, ...]:
+    """(bm, bn, bk, warps, stages) for the Triton matmul on ``arch`` (default:
+    the architecture being lowered for, ``nxops.kernels._gpu_target``).
+
+    Large shapes take the row of ``_TRITON_MATMUL_TABLE`` (a "wide" shape
+    falls back to "large" where the arch has no wide row). Small or skinny
+    dims take the next power of two (at least 16, at most 128), K blocks of
+    64 (2-byte) or 32 (f32) within the dim: no 128-row tile on an 8-row
+    matrix. The ``block_caps`` in force bound all three.
     """
-    bm = min(_common.cap("triton", "m"), max(16, _common.next_power_of_2(n_m)))
-    bn = min(_common.cap("triton", "n"), max(16, _common.next_power_of_2(n_n)))
-    bk = min(_common.cap("triton", "k"), 64 if itemsize <= 2 else 32,
-             max(16, _common.next_power_of_2(n_k)))
-    warps = 8 if bm * bn >= 128 * 128 else 4 if bm * bn >= 64 * 64 else 2
-    return bm, bn, bk, warps, 3
+    arch = arch or _gpu_target.gpu_arch()
+    size = 2 if itemsize <= 2 else 4
+    shape_class = _shape_class(n_m, n_n)
+    row = None
+    if shape_class != "small":
+        row = (_TRITON_MATMUL_TABLE.get((arch, size, shape_class))
+               or _TRITON_MATMUL_TABLE[arch, size, "large"])
+    else:
+        pow2 = lambda n, top: min(top, max(16, _common.next_power_of_2(n)))  # noqa: E731
+        bm, bn = pow2(n_m, 128), pow2(n_n, 128)
+        row = (bm, bn, 64 if size == 2 else 32,
+               8 if bm * bn >= 128 * 128 else 4 if bm * bn >= 64 * 64 else 2, 3)
+    bm, bn, bk, warps, stages = row
+    bm = min(bm, _common.cap("triton", "m"))
+    bn = min(bn, _common.cap("triton", "n"))
+    bk = min(bk, _common.cap("triton", "k"), max(16, _common.next_power_of_2(n_k)))
+    return bm, bn, bk, warps, stages
 
 
 def _matmul_kernel_triton(a_ref, b_ref, o_ref, *, bm: int, bn: int, bk: int, precision):

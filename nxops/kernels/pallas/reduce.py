@@ -8,15 +8,20 @@ axis sets (reduced axes moved last). Then one of two kernels reads the input
 exactly once:
 
 - *row* reduction (``inner == 1``): ``[outer, reduced] -> [outer]``;
-  a single long row (``outer`` small) is first split into several rows whose
-  partial results (f32) are reduced by a second, tiny call;
 - *column* reduction (``inner > 1``): ``[outer, reduced, inner] -> [outer, inner]``.
+
+When the kept dims give too few programs to fill a GPU (columns of a
+4096x4096 matrix, a single long row), the Triton kernels cut the reduced dim
+into pieces run by separate programs (``_layout.split_count``: at least
+``GPU_TARGET_PROGRAMS``), and a second, tiny call reduces the f32 partial
+results; the Mosaic row kernel reshapes a few long rows into more rows.
 
 Accumulation is in f32; edge blocks are masked with the identity of the op;
 ``max``/``min`` propagate NaN like ``jnp`` (Triton's own max drops NaN, so the
 Triton kernels combine with an explicit NaN-propagating select);
 ``logsumexp`` is one pass: a running max and a sum rescaled when the max grows,
-with ``jax.nn.logsumexp``'s treatment of infinite maxima.
+with ``jax.nn.logsumexp``'s treatment of infinite maxima; the Triton kernels
+keep them per lane (elementwise over the block) and combine the lanes once.
 
 Supported: float32, bfloat16, float16 (not on TPU), non-empty arrays. Integer
 inputs are declared unsupported (``auto`` uses xla for them). The gradient
@@ -38,6 +43,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
 from nxops.kernels._registry import Kernel, register
+from nxops.kernels import _layout
 from nxops.kernels._layout import canonical_view
 from nxops.kernels.pallas import _common
 from nxops.kernels.pallas._common import Target
@@ -115,14 +121,54 @@ def _lse_finish(m, s):
     return jnp.log(s) + _finite_or_zero(m)
 
 
+def _lse_lane_update(m, s, x):
+    """One logsumexp step *per lane* (elementwise over the block, no reduction):
+    ``m`` is the lane's running max, ``s`` its sum of ``exp(x - finite(m))``.
+    One exp per element: when ``x`` raises the max, the old sum is rescaled by
+    ``exp(m - x)`` and ``x`` adds 1 (inf when ``x`` is inf); else ``x`` adds
+    ``exp(x - m)``. NaN propagates through ``exp``; ``s == 0`` (only -inf so
+    far) stays 0."""
+    m_new = _nan_max(m, x)
+    shift_new = _finite_or_zero(m_new)
+    grew = x > m
+    e = jnp.exp(jnp.where(grew, _finite_or_zero(m), x) - shift_new)
+    raised = jnp.where(s == 0, 0.0, s * e) + jnp.where(x == jnp.inf, jnp.inf, 1.0)
+    return m_new, jnp.where(grew, raised, s + e)
+
+
+def _lse_lanes_finish(m, s, axis: int):
+    """Combines per-lane ``(m_i, s_i)`` along ``axis`` once (keepdims):
+    ``M = max m_i``, ``S = sum s_i * exp(finite(m_i) - finite(M))``."""
+    m_all = _halving_reduce(m, axis, _nan_max)
+    scale = jnp.exp(_finite_or_zero(m) - _finite_or_zero(m_all))
+    s_all = jnp.sum(jnp.where(s == 0, 0.0, s * scale), axis=axis, keepdims=True)
+    return _lse_finish(m_all, s_all)
+
+
+# logsumexp keeps two statistics per lane (max and sum): it loads half the
+# elements per step with the same warps (8 values a thread with the default
+# tile: ~50 registers, 4 CTAs per H100 SM instead of 2-3).
+_STATS_PER_LANE = {"logsumexp": 2}
+
+
+def _triton_tile(op: str) -> int:
+    """Elements a Triton reduction program loads per step."""
+    return _common.cap("triton", "tile") // _STATS_PER_LANE.get(op, 1)
+
+
+def _warps(op: str, elements: int) -> int:
+    return _common.num_warps_for(elements * _STATS_PER_LANE.get(op, 1))
+
+
 def _accumulate_triton(load, n_steps: int, op: str, block: tuple[int, int], axis: int):
     """Loops ``load(j)`` over the reduced dim inside a Triton kernel (no scratch
-    memory there), accumulating in f32; the result keeps ``axis`` as size 1."""
+    memory there), accumulating per lane in f32 (elementwise over the block)
+    and reducing across lanes once at the end; the result keeps ``axis`` as
+    size 1."""
     if op == "logsumexp":
-        stat_shape = tuple(1 if a == axis else n for a, n in enumerate(block))
-        init = (jnp.full(stat_shape, -jnp.inf, F32), jnp.zeros(stat_shape, F32))
-        return _lse_finish(*lax.fori_loop(
-            0, n_steps, lambda j, carry: _lse_update(*carry, load(j), axis, "triton"), init))
+        init = (jnp.full(block, -jnp.inf, F32), jnp.zeros(block, F32))
+        m, s = lax.fori_loop(0, n_steps, lambda j, carry: _lse_lane_update(*carry, load(j)), init)
+        return _lse_lanes_finish(m, s, axis)
     monoid = _MONOIDS[op]
     acc = lax.fori_loop(0, n_steps, lambda j, acc: monoid.combine(acc, load(j)),
                         jnp.full(block, monoid.identity, F32))
@@ -133,21 +179,24 @@ def _accumulate_triton(load, n_steps: int, op: str, block: tuple[int, int], axis
 # Row reduction [outer, reduced] -> [outer]
 
 
-def _row_kernel_triton(x_ref, o_ref, *, op: str, bo: int, br: int):
+def _row_kernel_triton(x_ref, o_ref, *, op: str, bo: int, br: int, piece_blocks: int):
+    """Program (i, p) reduces rows block i over piece p of the row
+    (``piece_blocks`` blocks of ``br``) into ``o[rows, p]``."""
     n_outer, n_reduced = x_ref.shape
-    i = pl.program_id(0)
+    i, piece = pl.program_id(0), pl.program_id(1)
     rows = i * bo + lax.broadcasted_iota(jnp.int32, (bo, br), 0)
     identity = _MONOIDS[op].identity
 
     def load(j):
-        cols = j * br + lax.broadcasted_iota(jnp.int32, (bo, br), 1)
+        start = (piece * piece_blocks + j) * br
+        cols = start + lax.broadcasted_iota(jnp.int32, (bo, br), 1)
         mask = (rows < n_outer) & (cols < n_reduced)
-        block = x_ref.at[pl.ds(i * bo, bo), pl.ds(j * br, br)]
+        block = x_ref.at[pl.ds(i * bo, bo), pl.ds(start, br)]
         return plgpu.load(block, mask=mask, other=identity).astype(F32)
 
-    result = _accumulate_triton(load, pl.cdiv(n_reduced, br), op, (bo, br), axis=1)
+    result = _accumulate_triton(load, piece_blocks, op, (bo, br), axis=1)
     out_rows = i * bo + jnp.arange(bo)
-    plgpu.store(o_ref.at[pl.ds(i * bo, bo)], result[:, 0].astype(o_ref.dtype),
+    plgpu.store(o_ref.at[pl.ds(i * bo, bo), piece], result[:, 0].astype(o_ref.dtype),
                 mask=out_rows < n_outer)
 
 
@@ -184,22 +233,34 @@ _row_kernel_mosaic = functools.partial(_accumulate_kernel_mosaic, reduce_axis=1,
 _column_kernel_mosaic = functools.partial(_accumulate_kernel_mosaic, reduce_axis=0, step_axis=2)
 
 
-def _row_reduce_call(x2, op: str, target: Target, out_dtype) -> jax.Array:
-    """One kernel call: ``[outer, reduced] -> [outer]`` in ``out_dtype``."""
+def _row_reduce_call(x2, op: str, target: Target, out_dtype, *, may_split: bool = False
+                     ) -> jax.Array:
+    """One kernel call: ``[outer, reduced] -> [outer]`` in ``out_dtype``; with
+    ``may_split`` (Triton) ``[outer, split]`` partial results in f32 instead,
+    the reduced dim cut into ``split`` pieces run by separate programs."""
     n_outer, n_reduced = x2.shape
     style = target.style
     pow2 = op == "prod"
     if style == "triton":
-        br = _common.block_size(style, n_reduced, "cols")
+        tile = _triton_tile(op)
         bo = _common.block_size(style, n_outer, "rows")
-        bo = min(bo, max(1, _common.cap(style, "tile") // br))
-        kernel = functools.partial(_row_kernel_triton, op=op, bo=bo, br=br)
-        return pl.pallas_call(
-            kernel, out_shape=jax.ShapeDtypeStruct((n_outer,), out_dtype),
-            grid=(pl.cdiv(n_outer, bo),), name=f"nxops_reduce_rows_{op}",
-            cost_estimate=_common.reduce_cost(x2, (n_outer,), out_dtype, op),
-            **_common.call_kwargs(target, num_warps=_common.num_warps_for(bo * br)),
+        # A few long rows take wider blocks (a whole tile for one row), so
+        # that each program keeps all its warps busy.
+        wide = max(_common.cap(style, "cols"), tile // bo)
+        br = min(_common.next_power_of_2(n_reduced), _common.next_power_of_2(wide), tile)
+        bo = min(bo, max(1, tile // br))
+        n_blocks = pl.cdiv(n_reduced, br)
+        split, piece_blocks = (_layout.split_count(pl.cdiv(n_outer, bo), n_blocks) if may_split
+                               else (1, n_blocks))
+        kernel = functools.partial(_row_kernel_triton, op=op, bo=bo, br=br,
+                                   piece_blocks=piece_blocks)
+        out = pl.pallas_call(
+            kernel, out_shape=jax.ShapeDtypeStruct((n_outer, split), F32 if split > 1 else out_dtype),
+            grid=(pl.cdiv(n_outer, bo), split), name=f"nxops_reduce_rows_{op}",
+            cost_estimate=_common.reduce_cost(x2, (n_outer, split), out_dtype, op),
+            **_common.call_kwargs(target, num_warps=_warps(op, bo * br)),
         )(x2)
+        return out if split > 1 else out[:, 0]
     br = _common.block_size(style, n_reduced, "cols", power_of_2=pow2, align=128)
     bo = _common.block_size(style, n_outer, "rows", align=8)
     scratch = [pltpu.VMEM((bo, 1), F32)] * (2 if op == "logsumexp" else 1)
@@ -231,12 +292,19 @@ def _row_split(n_outer: int, n_reduced: int, style: str) -> int:
 
 
 def _row_reduce(x2, op: str, target: Target) -> jax.Array:
+    """Rows too few to fill the GPU are cut along the reduced dim (Triton: a
+    second grid axis over pieces; Mosaic: reshaped into more rows); the f32
+    partial results are reduced by a second, tiny call: logsumexp of partial
+    logsumexps is the logsumexp of the row."""
     n_outer, n_reduced = x2.shape
+    if target.style == "triton":
+        partial = _row_reduce_call(x2, op, target, x2.dtype, may_split=True)
+        if partial.ndim == 1:
+            return partial
+        return _row_reduce_call(partial, op, target, x2.dtype)
     split = _row_split(n_outer, n_reduced, target.style)
     if split == 1:
         return _row_reduce_call(x2, op, target, x2.dtype)
-    # Partial results of each piece (f32), then their reduction: logsumexp of
-    # partial logsumexps is the logsumexp of the row.
     partial = _row_reduce_call(x2.reshape(n_outer * split, n_reduced // split), op, target, F32)
     return _row_reduce_call(partial.reshape(n_outer, split), op, target, x2.dtype)
 
@@ -245,38 +313,60 @@ def _row_reduce(x2, op: str, target: Target) -> jax.Array:
 # Column reduction [outer, reduced, inner] -> [outer, inner]
 
 
-def _column_kernel_triton(x_ref, o_ref, *, op: str, br: int, bi: int):
+def _column_kernel_triton(x_ref, o_ref, *, op: str, br: int, bi: int, piece_blocks: int):
+    """Program (o, k, p) reduces columns block k of slab o over piece p of
+    the reduced dim (``piece_blocks`` blocks of ``br``) into ``o[o, p, cols]``."""
     _, n_reduced, n_inner = x_ref.shape
-    o, k = pl.program_id(0), pl.program_id(1)
+    o, k, piece = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cols = k * bi + lax.broadcasted_iota(jnp.int32, (br, bi), 1)
     identity = _MONOIDS[op].identity
 
     def load(j):
-        rows = j * br + lax.broadcasted_iota(jnp.int32, (br, bi), 0)
-        block = x_ref.at[o, pl.ds(j * br, br), pl.ds(k * bi, bi)]
+        start = (piece * piece_blocks + j) * br
+        rows = start + lax.broadcasted_iota(jnp.int32, (br, bi), 0)
+        block = x_ref.at[o, pl.ds(start, br), pl.ds(k * bi, bi)]
         return plgpu.load(block, mask=(rows < n_reduced) & (cols < n_inner),
                           other=identity).astype(F32)
 
-    result = _accumulate_triton(load, pl.cdiv(n_reduced, br), op, (br, bi), axis=0)
+    result = _accumulate_triton(load, piece_blocks, op, (br, bi), axis=0)
     out_cols = k * bi + jnp.arange(bi)
-    plgpu.store(o_ref.at[o, pl.ds(k * bi, bi)], result[0].astype(o_ref.dtype),
+    plgpu.store(o_ref.at[o, piece, pl.ds(k * bi, bi)], result[0].astype(o_ref.dtype),
                 mask=out_cols < n_inner)
+
+
+def _column_reduce_triton(x3, op: str, target: Target, out_dtype, *, may_split: bool
+                          ) -> jax.Array:
+    """``[outer, reduced, inner] -> [outer, split, inner]``: f32 partial
+    results of ``split`` pieces of the reduced dim (``out_dtype`` when
+    ``split == 1``)."""
+    n_outer, n_reduced, n_inner = x3.shape
+    style = target.style
+    tile = _triton_tile(op)
+    bi = min(_common.block_size(style, n_inner, "cols"), tile)
+    br = _common.block_size(style, n_reduced, "rows")
+    br = min(br, max(1, tile // bi))
+    n_blocks = pl.cdiv(n_reduced, br)
+    split, piece_blocks = (_layout.split_count(n_outer * pl.cdiv(n_inner, bi), n_blocks)
+                           if may_split else (1, n_blocks))
+    return pl.pallas_call(
+        functools.partial(_column_kernel_triton, op=op, br=br, bi=bi, piece_blocks=piece_blocks),
+        out_shape=jax.ShapeDtypeStruct((n_outer, split, n_inner), F32 if split > 1 else out_dtype),
+        grid=(n_outer, pl.cdiv(n_inner, bi), split), name=f"nxops_reduce_columns_{op}",
+        cost_estimate=_common.reduce_cost(x3, (n_outer, split, n_inner), out_dtype, op),
+        **_common.call_kwargs(target, num_warps=_warps(op, br * bi)),
+    )(x3)
 
 
 def _column_reduce(x3, op: str, target: Target) -> jax.Array:
     n_outer, n_reduced, n_inner = x3.shape
     style = target.style
     if style == "triton":
-        bi = _common.block_size(style, n_inner, "cols")
-        br = _common.block_size(style, n_reduced, "rows")
-        br = min(br, max(1, _common.cap(style, "tile") // bi))
-        return pl.pallas_call(
-            functools.partial(_column_kernel_triton, op=op, br=br, bi=bi),
-            out_shape=jax.ShapeDtypeStruct((n_outer, n_inner), x3.dtype),
-            grid=(n_outer, pl.cdiv(n_inner, bi)), name=f"nxops_reduce_columns_{op}",
-            cost_estimate=_common.reduce_cost(x3, (n_outer, n_inner), x3.dtype, op),
-            **_common.call_kwargs(target, num_warps=_common.num_warps_for(br * bi)),
-        )(x3)
+        # Few column blocks (e.g. 4 on 4096x4096) cannot fill the GPU: the
+        # reduced dim is cut into pieces, whose f32 partials a second call reduces.
+        partial = _column_reduce_triton(x3, op, target, x3.dtype, may_split=True)
+        if partial.shape[1] > 1:
+            partial = _column_reduce_triton(partial, op, target, x3.dtype, may_split=False)
+        return partial[:, 0, :]
     br = _common.block_size(style, n_reduced, "rows", power_of_2=op == "prod", align=8)
     bi = _common.block_size(style, n_inner, "cols", align=128)
     scratch = [pltpu.VMEM((1, bi), F32)] * (2 if op == "logsumexp" else 1)

@@ -17,7 +17,8 @@ the end, then clamped to ``[0, count)``.
   ``_tile_mosaic``); tiling the last dim itself, ``tile_len`` is laid out as
   ``[tile_len / 128, 128]`` when divisible, else ``[1, tile_len]``.
 - Triton (GPU): Pallas Triton has no scalar prefetch, so the index is a
-  one-element input the kernel loads before its masked block copy.
+  one-element input the kernel loads and clamps before its masked block
+  copy (no separate XLA kernel for the clamp).
 
 Gradient (custom VJP): the cotangent placed at the tile, zeros elsewhere, as
 the reference's. Any dtype that the platform can copy is supported.
@@ -75,9 +76,11 @@ def _tile_mosaic(x3, index, target: Target, lanes: int | None) -> jax.Array:
 
 
 def _copy_kernel_triton(index_ref, x_ref, o_ref, *, bo: int, bl: int):
-    n_outer, _, tile_len = x_ref.shape
+    n_outer, count, tile_len = x_ref.shape
     o, l = pl.program_id(0), pl.program_id(1)
-    index = index_ref[0]
+    # Clamped here, not by the wrapper: an XLA clamp would be a one-thread
+    # kernel launched before this one.
+    index = _clamp_index(index_ref[0], count)
     rows = o * bo + lax.broadcasted_iota(jnp.int32, (bo, bl), 0)
     cols = l * bl + lax.broadcasted_iota(jnp.int32, (bo, bl), 1)
     mask = (rows < n_outer) & (cols < tile_len)
@@ -100,11 +103,14 @@ def _tile_triton(x3, index, target: Target) -> jax.Array:
     )(index.reshape(1), x3)
 
 
-def effective_index(index, count: int) -> jax.Array:
+def _clamp_index(index, count: int):
     """The tile ``dynamic_slice`` takes for ``index``: a negative start counts
     from the end (``index + count``), then the start is clamped into range."""
-    index = jnp.asarray(index, jnp.int32)
     return jnp.clip(jnp.where(index < 0, index + count, index), 0, count - 1)
+
+
+def effective_index(index, count: int) -> jax.Array:
+    return _clamp_index(jnp.asarray(index, jnp.int32), count)
 
 
 def tile_forward(x, index, dim: int, count: int, target: Target) -> jax.Array:
@@ -113,11 +119,11 @@ def tile_forward(x, index, dim: int, count: int, target: Target) -> jax.Array:
     size = x.shape[dim] // count
     out_shape = x.shape[:dim] + (size,) + x.shape[dim + 1:]
     x3 = x.reshape(math.prod(x.shape[:dim]), count, size * math.prod(x.shape[dim + 1:]))
-    index = effective_index(index, count)
-    if target.style == "triton":
-        tiled = _tile_triton(x3, index, target)
+    if target.style == "triton":   # the kernel clamps the index itself
+        tiled = _tile_triton(x3, jnp.asarray(index, jnp.int32), target)
     else:
-        tiled = _tile_mosaic(x3, index, target, x.shape[-1] if dim < x.ndim - 1 else None)
+        tiled = _tile_mosaic(x3, effective_index(index, count), target,
+                             x.shape[-1] if dim < x.ndim - 1 else None)
     return tiled.reshape(out_shape)
 
 

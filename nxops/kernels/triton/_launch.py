@@ -6,9 +6,9 @@ interpreter (``_interpreter.run`` inside ``jax.pure_callback``) on cpu. Both
 take the arguments in jax-triton's order: arrays and Python scalars, then the
 outputs, then the ``constexprs``.
 
-On cuda Triton compiles for ``_gpu_target.compute_capability()`` (the
-device's, or the one ``compiling_for`` names: how the deviceless compile
-harness builds for an H100 or A100 with no GPU).
+On cuda Triton compiles for ``_gpu_target.compute_capability()``: that of
+the devices the program is lowered for (a deviceless compile's topology
+devices carry one: how the compile harness builds for an H100 or A100 here).
 """
 from __future__ import annotations
 

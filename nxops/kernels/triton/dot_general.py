@@ -82,8 +82,9 @@ def config_for(n_m: int, n_n: int, n_k: int, itemsize: int, arch: str) -> Config
 def k_splits(tiles: int, n_k: int, bk: int) -> tuple[int, int]:
     """(K per split, splits): split K when ``tiles`` programs are too few for
     the GPU, keeping at least :data:`MIN_K_STEPS_PER_SPLIT` blocks per split."""
-    return _layout.pieces(n_k, bk, tiles, target=TARGET_PROGRAMS,
-                          min_blocks=MIN_K_STEPS_PER_SPLIT)
+    splits, per_split = _layout.split_count(tiles, cdiv(n_k, bk), target=TARGET_PROGRAMS,
+                                            min_steps=MIN_K_STEPS_PER_SPLIT)
+    return per_split * bk, splits
 
 
 @triton.jit
@@ -151,7 +152,7 @@ def input_precision(precision, dtype) -> str:
 def batched_matmul(a3, b3, out_dtype, precision, platform: str) -> jax.Array:
     """``[B, M, K] x [B, K, N] -> [B, M, N]`` with an f32 accumulator."""
     (n_batch, n_m, n_k), n_n = a3.shape, b3.shape[2]
-    config = config_for(n_m, n_n, n_k, jnp.dtype(a3.dtype).itemsize, _gpu_target.arch())
+    config = config_for(n_m, n_n, n_k, jnp.dtype(a3.dtype).itemsize, _gpu_target.gpu_arch())
     tiles = cdiv(n_m, config.bm) * cdiv(n_n, config.bn)
     k_per_split, splits = k_splits(tiles * n_batch, n_k, config.bk)
     partial_dtype = out_dtype if splits == 1 else F32

@@ -178,10 +178,11 @@ def _max_block(op: str) -> int:
 
 
 def pieces(n_reduced: int, block: int, programs: int) -> tuple[int, int]:
-    """(piece length, number of pieces) of the reduced axis (``_layout.pieces``
-    with this module's targets)."""
-    return _layout.pieces(n_reduced, block, programs, target=TARGET_PROGRAMS,
-                          min_blocks=MIN_STEPS_PER_PIECE)
+    """(piece length, number of pieces) of the reduced axis, whole blocks each
+    (``_layout.split_count`` with this module's targets)."""
+    split, per_piece = _layout.split_count(programs, cdiv(n_reduced, block),
+                                           target=TARGET_PROGRAMS, min_steps=MIN_STEPS_PER_PIECE)
+    return per_piece * block, split
 
 
 def _rows(x2, op: str, platform: str, out_dtype, *, split: bool = True) -> jax.Array:
