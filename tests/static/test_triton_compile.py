@@ -10,16 +10,15 @@ import pytest
 import nxops as nx
 from bench.static import gpu
 from nxops.kernels.triton import dot_general as triton_dot
-from nxops.kernels.triton import tile as triton_tile
 
 S = jax.ShapeDtypeStruct
 ARCHS = ["h100", "a100"]
 LARGE = (4096, 4096)   # 64 / 32 MiB: over the 16 MiB "large" line
 
 
-def _triton(fn, *args, arch):
+def _triton(fn, *args, arch, **mesh):
     with nx.kernels.use("triton"):
-        report = gpu.compile_gpu(fn, *args, arch=arch)
+        report = gpu.compile_gpu(fn, *args, arch=arch, **mesh)
     kernels = [k for k in report.kernels if k.name.startswith("nxops_triton")]
     assert kernels, f"no Triton kernel in {[k.name for k in report.kernels]}"
     return kernels
@@ -49,10 +48,11 @@ def compiled(request):
             big, big, arch=arch)
         out["skinny", name] = _triton(_matmul, S((8, 8192), dtype), S((8192, 8), dtype),
                                       arch=arch)
-        # The kernel itself: under a vmap nx.tile of every position is a reshape.
+        # One tile per GPU of 4 (under a vmap, nx.tile of every position is a reshape).
         out["tile", name] = _triton(
-            lambda v, i: triton_tile.tile(v, i, dim=0, count=8, platform="cuda"),
-            S((8192, 4096), dtype), S((), jnp.int32), arch=arch)
+            nx.xmap(lambda v: nx.tile(v, {"t": 0}), [...], ["t", ...], axis_sizes={"t": 4},
+                    axis_resources={"t": "x"}),
+            S((8192, 4096), dtype), arch=arch, mesh_shape=(4,), mesh_axes=("x",))
     return arch, out
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from nxops.kernels.pallas._common import FLOAT_DTYPES, next_power_of_2, too_large_reasons  # noqa: F401
+from nxops.kernels.pallas._common import FLOAT_DTYPES, next_power_of_2, too_large_reasons  # noqa: F401  (re-exported)
 
 # cuda: compiled through jax-triton; cpu: Triton's interpreter (for tests).
 PLATFORMS = ("cpu", "cuda")

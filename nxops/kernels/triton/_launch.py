@@ -24,6 +24,28 @@ from nxops.kernels._gpu_target import compute_capability
 from nxops.kernels.triton import _interpreter
 
 @dataclasses.dataclass(frozen=True)
+class Target:
+    """Where a kernel runs: ``platform`` ("cuda" or "cpu") and, on cuda, the
+    compute capability it is compiled for. Kernels pass it as a static
+    argument of their custom_vjp/custom_vmap, so a trace made for one GPU is
+    never reused for another."""
+
+    platform: str
+    compute_capability: int | None = None
+
+    @property
+    def arch(self) -> str:
+        return "sm90" if (self.compute_capability or 90) >= 90 else "sm80"
+
+
+def target_for(platform: str) -> Target:
+    """The target of ``platform`` as lowering now stands (see ``_gpu_target``)."""
+    if platform not in ("cpu", "cuda"):
+        raise ValueError(f"Triton kernels run on cuda (and cpu, interpreted), not {platform!r}")
+    return Target(platform, compute_capability() if platform == "cuda" else None)
+
+
+@dataclasses.dataclass(frozen=True)
 class Launch:
     """One kernel launch, as traced (for the compile harness's tables)."""
 
@@ -51,7 +73,7 @@ def recording_launches() -> Iterator[list[Launch]]:
 
 
 def launch(kernel, *args: Any, out_shape: Sequence[jax.ShapeDtypeStruct], grid: Sequence[int],
-           platform: str, name: str, num_warps: int = 4, num_stages: int = 2,
+           target: Target, name: str, num_warps: int = 4, num_stages: int = 2,
            **constexprs: Any) -> list[jax.Array]:
     """Runs ``kernel`` over ``grid``; returns its outputs (a list)."""
     out_shape = list(out_shape)
@@ -59,12 +81,12 @@ def launch(kernel, *args: Any, out_shape: Sequence[jax.ShapeDtypeStruct], grid: 
     if records is not None:
         records.append(Launch(name, kernel.fn.__name__, tuple(grid), num_warps, num_stages,
                               tuple(sorted(constexprs.items()))))
-    if platform == "cuda":
+    if target.platform == "cuda":
         import jax_triton  # noqa: PLC0415  (only the cuda path needs it)
         outs = jax_triton.triton_call(
             *args, kernel=kernel, out_shape=out_shape, grid=tuple(grid), name=name,
             num_warps=num_warps, num_stages=num_stages,
-            compute_capability=compute_capability(), **constexprs)
+            compute_capability=target.compute_capability, **constexprs)
         return list(outs)
     arrays = [a for a in args if isinstance(a, jax.Array) or hasattr(a, "aval")]
     positions = [i for i, a in enumerate(args) if isinstance(a, jax.Array) or hasattr(a, "aval")]

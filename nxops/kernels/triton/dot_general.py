@@ -29,13 +29,13 @@ import triton
 import triton.language as tl
 from jax import lax
 
-from nxops.kernels import _gpu_target, _layout
+from nxops.kernels import _layout
 from nxops.kernels._registry import Kernel, register
 from nxops.kernels.pallas import dot_general as pallas_dot
 from nxops.kernels.pallas.dot_general import _precision_reasons, canonical_dimension_numbers
 from nxops.kernels.triton import _batching, _common
 from nxops.kernels.triton._common import cdiv
-from nxops.kernels.triton._launch import launch
+from nxops.kernels.triton._launch import Target, launch, target_for
 
 F32 = jnp.float32
 GROUP_M = 8
@@ -149,17 +149,17 @@ def input_precision(precision, dtype) -> str:
     return "ieee" if highest else "tf32"
 
 
-def batched_matmul(a3, b3, out_dtype, precision, platform: str) -> jax.Array:
+def batched_matmul(a3, b3, out_dtype, precision, target: Target) -> jax.Array:
     """``[B, M, K] x [B, K, N] -> [B, M, N]`` with an f32 accumulator."""
     (n_batch, n_m, n_k), n_n = a3.shape, b3.shape[2]
-    config = config_for(n_m, n_n, n_k, jnp.dtype(a3.dtype).itemsize, _gpu_target.gpu_arch())
+    config = config_for(n_m, n_n, n_k, jnp.dtype(a3.dtype).itemsize, target.arch)
     tiles = cdiv(n_m, config.bm) * cdiv(n_n, config.bn)
     k_per_split, splits = k_splits(tiles * n_batch, n_k, config.bk)
     partial_dtype = out_dtype if splits == 1 else F32
     (out,) = launch(
         _matmul_kernel, a3, b3, n_m, n_n, n_k, k_per_split,
         out_shape=[jax.ShapeDtypeStruct((splits, n_batch, n_m, n_n), partial_dtype)],
-        grid=(tiles, n_batch, splits), platform=platform, name="nxops_triton_matmul",
+        grid=(tiles, n_batch, splits), target=target, name="nxops_triton_matmul",
         num_warps=config.warps, num_stages=config.stages,
         BM=config.bm, BN=config.bn, BK=config.bk, GROUP=GROUP_M,
         PRECISION=input_precision(precision, a3.dtype), EVEN_K=n_k % config.bk == 0)
@@ -167,44 +167,44 @@ def batched_matmul(a3, b3, out_dtype, precision, platform: str) -> jax.Array:
 
 
 def dot_general_forward(a, b, dimension_numbers, precision, preferred_element_type,
-                        platform: str) -> jax.Array:
+                        target: Target) -> jax.Array:
     """The kernel path of :func:`dot_general` (no custom rules)."""
     return pallas_dot.as_batched_matmul(
         a, b, dimension_numbers, preferred_element_type,
-        lambda a3, b3, out_dtype: _batched_forward(a3, b3, out_dtype, precision, platform))
+        lambda a3, b3, out_dtype: _batched_forward(a3, b3, out_dtype, precision, target))
 
 
-def _batched_forward(a3, b3, out_dtype, precision, platform):
+def _batched_forward(a3, b3, out_dtype, precision, target):
     """``batched_matmul`` whose vmap folds the vmapped dim into the batch."""
     def folded(a4, b4):
         n = a4.shape[0]
         out = _batched_forward(a4.reshape(-1, *a4.shape[2:]), b4.reshape(-1, *b4.shape[2:]),
-                               out_dtype, precision, platform)
+                               out_dtype, precision, target)
         return out.reshape(n, -1, *out.shape[1:])
 
     return _batching.vmappable(
-        lambda x, y: batched_matmul(x, y, out_dtype, precision, platform), folded)(a3, b3)
+        lambda x, y: batched_matmul(x, y, out_dtype, precision, target), folded)(a3, b3)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _dot_general(a, b, dimension_numbers, precision, preferred_element_type, platform):
+def _dot_general(a, b, dimension_numbers, precision, preferred_element_type, target):
     return dot_general_forward(a, b, dimension_numbers, precision, preferred_element_type,
-                               platform)
+                               target)
 
 
-def _dot_general_fwd(a, b, dimension_numbers, precision, preferred_element_type, platform):
-    out = _dot_general(a, b, dimension_numbers, precision, preferred_element_type, platform)
+def _dot_general_fwd(a, b, dimension_numbers, precision, preferred_element_type, target):
+    out = _dot_general(a, b, dimension_numbers, precision, preferred_element_type, target)
     return out, (a, b)
 
 
-def _dot_general_bwd(dimension_numbers, precision, preferred_element_type, platform,
+def _dot_general_bwd(dimension_numbers, precision, preferred_element_type, target,
                      residuals, g):
     del preferred_element_type
 
     def contract(x, y, dims):
         common = jnp.promote_types(x.dtype, y.dtype)
         return dot_general_forward(x.astype(common), y.astype(common), dims, precision, F32,
-                                   platform)
+                                   target)
 
     return pallas_dot.dot_general_transpose(*residuals, g, dimension_numbers, contract)
 
@@ -220,7 +220,7 @@ def dot_general(a: jax.Array, b: jax.Array, *, dimension_numbers, precision=None
     Differentiable (the cotangents use this kernel too) and batchable.
     """
     return _dot_general(a, b, canonical_dimension_numbers(dimension_numbers), precision,
-                        preferred_element_type, platform)
+                        preferred_element_type, target_for(platform))
 
 
 def not_supported_reasons(a, b, *, platform: str, dimension_numbers, precision=None,

@@ -39,7 +39,7 @@ from nxops.kernels import _layout
 from nxops.kernels._layout import canonical_view
 from nxops.kernels.triton import _batching, _common
 from nxops.kernels.triton._common import cdiv
-from nxops.kernels.triton._launch import launch
+from nxops.kernels.triton._launch import Target, launch, target_for
 from nxops.kernels.xla import reduce as xla_reduce
 
 OPS = {"sum": 0, "max": 1, "min": 2, "prod": 3, "logsumexp": 4}
@@ -185,7 +185,7 @@ def pieces(n_reduced: int, block: int, programs: int) -> tuple[int, int]:
     return per_piece * block, split
 
 
-def _rows(x2, op: str, platform: str, out_dtype, *, split: bool = True) -> jax.Array:
+def _rows(x2, op: str, target: Target, out_dtype, *, split: bool = True) -> jax.Array:
     n_rows, n_cols = x2.shape
     br = min(_common.next_power_of_2(n_cols), MAX_REDUCED_BLOCK)
     bo = max(1, min(_common.next_power_of_2(n_rows), _max_block(op) // br))
@@ -195,15 +195,15 @@ def _rows(x2, op: str, platform: str, out_dtype, *, split: bool = True) -> jax.A
     (out,) = launch(
         _rows_kernel, x2, n_rows, n_cols, piece_len, n_pieces,
         out_shape=[jax.ShapeDtypeStruct((n_rows, n_pieces), partial_dtype)],
-        grid=(programs, n_pieces), platform=platform, name=f"nxops_triton_reduce_rows_{op}",
+        grid=(programs, n_pieces), target=target, name=f"nxops_triton_reduce_rows_{op}",
         num_warps=_common.num_warps_for(bo * br),
         OP=OPS[op], IDENTITY=IDENTITY[op], BO=bo, BR=br)
     if n_pieces == 1:
         return out[:, 0]
-    return _rows(out, op, platform, out_dtype, split=False)
+    return _rows(out, op, target, out_dtype, split=False)
 
 
-def _columns(x3, op: str, platform: str, out_dtype, *, split: bool = True) -> jax.Array:
+def _columns(x3, op: str, target: Target, out_dtype, *, split: bool = True) -> jax.Array:
     n_outer, n_reduced, n_inner = x3.shape
     bi = min(_common.next_power_of_2(n_inner), 128)
     br = max(1, min(_common.next_power_of_2(n_reduced), _max_block(op) // bi))
@@ -213,24 +213,24 @@ def _columns(x3, op: str, platform: str, out_dtype, *, split: bool = True) -> ja
     (out,) = launch(
         _columns_kernel, x3, n_reduced, n_inner, piece_len, n_pieces,
         out_shape=[jax.ShapeDtypeStruct((n_outer, n_pieces, n_inner), partial_dtype)],
-        grid=(n_outer, cdiv(n_inner, bi), n_pieces), platform=platform,
+        grid=(n_outer, cdiv(n_inner, bi), n_pieces), target=target,
         name=f"nxops_triton_reduce_columns_{op}", num_warps=_common.num_warps_for(br * bi),
         OP=OPS[op], IDENTITY=IDENTITY[op], BR=br, BI=bi)
     if n_pieces == 1:
         return out[:, 0, :]
-    return _columns(out, op, platform, out_dtype, split=False)
+    return _columns(out, op, target, out_dtype, split=False)
 
 
-def reduce_forward(x: jax.Array, axes: tuple[int, ...], op: str, platform: str) -> jax.Array:
+def reduce_forward(x: jax.Array, axes: tuple[int, ...], op: str, target: Target) -> jax.Array:
     """The kernel path of :func:`reduce` (no custom rules)."""
     out_shape = tuple(n for d, n in enumerate(x.shape) if d not in axes)
     permutation, (n_outer, n_reduced, n_inner) = canonical_view(x.shape, axes)
     if permutation is not None:
         x = jnp.transpose(x, permutation)
     if n_inner == 1:
-        out = _rows(x.reshape(n_outer, n_reduced), op, platform, x.dtype)
+        out = _rows(x.reshape(n_outer, n_reduced), op, target, x.dtype)
     else:
-        out = _columns(x.reshape(n_outer, n_reduced, n_inner), op, platform, x.dtype)
+        out = _columns(x.reshape(n_outer, n_reduced, n_inner), op, target, x.dtype)
     return out.reshape(out_shape)
 
 
@@ -238,25 +238,25 @@ def reduce_forward(x: jax.Array, axes: tuple[int, ...], op: str, platform: str) 
 # Public kernel: batching (custom_vmap) and the reference's gradient (custom_vjp)
 
 
-def _batched_forward(x, axes, op, platform):
+def _batched_forward(x, axes, op, target):
     """``reduce_forward`` whose vmap moves the batch dim into the kernel."""
     return _batching.vmappable(
-        lambda v: reduce_forward(v, axes, op, platform),
-        lambda v: _batched_forward(v, tuple(a + 1 for a in axes), op, platform))(x)
+        lambda v: reduce_forward(v, axes, op, target),
+        lambda v: _batched_forward(v, tuple(a + 1 for a in axes), op, target))(x)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _reduce(x, axes, op, platform):
-    return _batched_forward(x, axes, op, platform)
+def _reduce(x, axes, op, target):
+    return _batched_forward(x, axes, op, target)
 
 
-def _reduce_fwd(x, axes, op, platform):
-    out = _reduce(x, axes, op, platform)
+def _reduce_fwd(x, axes, op, target):
+    out = _reduce(x, axes, op, target)
     return out, (x, out)
 
 
-def _reduce_bwd(axes, op, platform, residuals, g):
-    del platform
+def _reduce_bwd(axes, op, target, residuals, g):
+    del target
     x, out = residuals
     return (xla_reduce.reduce_vjp(x, out, g, axes=axes, op=op),)
 
@@ -273,7 +273,7 @@ def reduce(x: jax.Array, *, axes: tuple[int, ...], op: str, platform: str = "cpu
     if op not in OPS:
         raise ValueError(f"unknown reduction {op!r}; known: {tuple(OPS)}")
     axes = tuple(sorted(a % x.ndim if x.ndim else a for a in axes))
-    return _reduce(x, axes, op, platform)
+    return _reduce(x, axes, op, target_for(platform))
 
 
 def not_supported_reasons(x, *, platform: str, axes, op: str, **params) -> list[str]:

@@ -23,7 +23,7 @@ import triton.language as tl
 from nxops.kernels._registry import Kernel, register
 from nxops.kernels.triton import _batching, _common
 from nxops.kernels.triton._common import cdiv
-from nxops.kernels.triton._launch import launch
+from nxops.kernels.triton._launch import Target, launch, target_for
 from nxops.kernels.xla import tile as xla_tile
 
 MAX_BLOCK = 4096
@@ -45,47 +45,47 @@ def _tile_kernel(x_ptr, index_ptr, n_outer, count, tile_len, o_ptr,
     tl.store(dst, tl.load(src, mask=mask), mask=mask)
 
 
-def _tile3(x3, index, platform: str) -> jax.Array:
+def _tile3(x3, index, target: Target) -> jax.Array:
     n_outer, count, tile_len = x3.shape
     bl = min(_common.next_power_of_2(tile_len), MAX_ROW_BLOCK)
     bo = max(1, min(_common.next_power_of_2(n_outer), MAX_BLOCK // bl))
     (out,) = launch(
         _tile_kernel, x3, jnp.asarray(index, jnp.int32).reshape(1), n_outer, count, tile_len,
         out_shape=[jax.ShapeDtypeStruct((n_outer, tile_len), x3.dtype)],
-        grid=(cdiv(n_outer, bo), cdiv(tile_len, bl)), platform=platform, name="nxops_triton_tile",
+        grid=(cdiv(n_outer, bo), cdiv(tile_len, bl)), target=target, name="nxops_triton_tile",
         num_warps=_common.num_warps_for(bo * bl), BO=bo, BL=bl)
     return out
 
 
-def tile_forward(x, index, dim: int, count: int, platform: str) -> jax.Array:
+def tile_forward(x, index, dim: int, count: int, target: Target) -> jax.Array:
     """The kernel path of :func:`tile` (no custom rules)."""
     size = x.shape[dim] // count
     out_shape = x.shape[:dim] + (size,) + x.shape[dim + 1:]
     x3 = x.reshape(math.prod(x.shape[:dim]), count, size * math.prod(x.shape[dim + 1:]))
-    return _tile3(x3, index, platform).reshape(out_shape)
+    return _tile3(x3, index, target).reshape(out_shape)
 
 
-def _batched_forward(x, index, dim, count, platform):
+def _batched_forward(x, index, dim, count, target):
     """``tile_forward`` under vmap: a batched ``x`` with one index folds the
     vmapped dim into ``outer``; per-example indices take one launch each."""
     def batched(xs, indices):
-        return jax.lax.map(lambda xi: _batched_forward(*xi, dim, count, platform), (xs, indices))
+        return jax.lax.map(lambda xi: _batched_forward(*xi, dim, count, target), (xs, indices))
 
     return _batching.vmappable(
-        lambda v, i: tile_forward(v, i, dim, count, platform), batched)(x, index)
+        lambda v, i: tile_forward(v, i, dim, count, target), batched)(x, index)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _tile(x, index, dim, count, platform):
-    return _batched_forward(x, index, dim, count, platform)
+def _tile(x, index, dim, count, target):
+    return _batched_forward(x, index, dim, count, target)
 
 
-def _tile_fwd(x, index, dim, count, platform):
-    return _tile(x, index, dim, count, platform), (x.shape, index)
+def _tile_fwd(x, index, dim, count, target):
+    return _tile(x, index, dim, count, target), (x.shape, index)
 
 
-def _tile_bwd(dim, count, platform, residuals, g):
-    del platform
+def _tile_bwd(dim, count, target, residuals, g):
+    del target
     shape, index = residuals
     return xla_tile.tile_vjp(shape, index, g, dim=dim, count=count), None
 
@@ -96,7 +96,7 @@ _tile.defvjp(_tile_fwd, _tile_bwd)
 def tile(x: jax.Array, index: jax.Array, *, dim: int, count: int, platform: str = "cpu") -> jax.Array:
     """Tile number ``index`` of ``count`` equal tiles of ``x`` along ``dim``, as
     a Triton copy kernel (see the module docstring). Differentiable in ``x``."""
-    return _tile(x, index, dim % x.ndim, count, platform)
+    return _tile(x, index, dim % x.ndim, count, target_for(platform))
 
 
 def not_supported_reasons(x, index, *, platform: str, dim: int, count: int, **params) -> list[str]:
