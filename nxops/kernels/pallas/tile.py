@@ -38,6 +38,7 @@ from jax.experimental.pallas import triton as plgpu
 from nxops.kernels._registry import Kernel, register
 from nxops.kernels.pallas import _common
 from nxops.kernels.pallas._common import Target
+from nxops.kernels.xla import tile as xla_tile
 
 
 def _copy_kernel_mosaic(index_ref, x_ref, o_ref):
@@ -80,7 +81,7 @@ def _copy_kernel_triton(index_ref, x_ref, o_ref, *, bo: int, bl: int):
     o, l = pl.program_id(0), pl.program_id(1)
     # Clamped here, not by the wrapper: an XLA clamp would be a one-thread
     # kernel launched before this one.
-    index = _clamp_index(index_ref[0], count)
+    index = xla_tile.clamp_index(index_ref[0], count)
     rows = o * bo + lax.broadcasted_iota(jnp.int32, (bo, bl), 0)
     cols = l * bl + lax.broadcasted_iota(jnp.int32, (bo, bl), 1)
     mask = (rows < n_outer) & (cols < tile_len)
@@ -103,16 +104,6 @@ def _tile_triton(x3, index, target: Target) -> jax.Array:
     )(index.reshape(1), x3)
 
 
-def _clamp_index(index, count: int):
-    """The tile ``dynamic_slice`` takes for ``index``: a negative start counts
-    from the end (``index + count``), then the start is clamped into range."""
-    return jnp.clip(jnp.where(index < 0, index + count, index), 0, count - 1)
-
-
-def effective_index(index, count: int) -> jax.Array:
-    return _clamp_index(jnp.asarray(index, jnp.int32), count)
-
-
 def tile_forward(x, index, dim: int, count: int, target: Target) -> jax.Array:
     """The kernel path of :func:`tile` (no custom VJP)."""
     dim = dim % x.ndim
@@ -122,7 +113,7 @@ def tile_forward(x, index, dim: int, count: int, target: Target) -> jax.Array:
     if target.style == "triton":   # the kernel clamps the index itself
         tiled = _tile_triton(x3, jnp.asarray(index, jnp.int32), target)
     else:
-        tiled = _tile_mosaic(x3, effective_index(index, count), target,
+        tiled = _tile_mosaic(x3, xla_tile.effective_index(index, count), target,
                              x.shape[-1] if dim < x.ndim - 1 else None)
     return tiled.reshape(out_shape)
 
@@ -139,10 +130,7 @@ def _tile_fwd(x, index, dim, count, platform, style):
 def _tile_bwd(dim, count, platform, style, residuals, g):
     del platform, style
     shape, index = residuals
-    size = shape[dim] // count
-    start = effective_index(index, count) * size
-    dx = lax.dynamic_update_slice_in_dim(jnp.zeros(shape, g.dtype), g, start, axis=dim % len(shape))
-    return dx, None
+    return xla_tile.tile_vjp(shape, index, g, dim=dim, count=count), None
 
 
 _tile.defvjp(_tile_fwd, _tile_bwd)
@@ -164,15 +152,8 @@ def tile_in_style(x, index, *, dim: int, count: int, platform: str = "cpu",
 def not_supported_reasons(x, index, *, platform: str, dim: int, count: int, **params) -> list[str]:
     """Why the Pallas tile cannot take this case (empty: it can)."""
     del index, params
-    reasons = []
-    if x.ndim == 0:
-        reasons.append("a scalar has no dim to tile")
-    elif x.shape[dim % x.ndim] % count:
-        reasons.append(f"dim {dim} of size {x.shape[dim % x.ndim]} is not divisible into {count} tiles")
-    dtype = jnp.dtype(x.dtype)
-    if dtype.itemsize not in (2, 4) or dtype == jnp.bool_:
-        reasons.append(f"dtype {dtype}: the Pallas tile copies 16- and 32-bit elements")
-    if platform == "tpu" and dtype == jnp.float16:
+    reasons = xla_tile.tile_reasons(x, dim, count, "the Pallas tile")
+    if platform == "tpu" and jnp.dtype(x.dtype) == jnp.float16:
         reasons.append("float16 has no native TPU support")
     return reasons + _common.too_large_reasons(x.shape)
 

@@ -102,15 +102,9 @@ def tile(x: jax.Array, index: jax.Array, *, dim: int, count: int, platform: str 
 def not_supported_reasons(x, index, *, platform: str, dim: int, count: int, **params) -> list[str]:
     """Why the Triton tile cannot take this case (empty: it can)."""
     del index, params
-    reasons = _common.missing_packages(platform)
-    if x.ndim == 0:
-        reasons.append("a scalar has no dim to tile")
-    elif x.shape[dim % x.ndim] % count:
-        reasons.append(f"dim {dim} of size {x.shape[dim % x.ndim]} is not divisible into {count} tiles")
-    dtype = jnp.dtype(x.dtype)
-    if dtype.itemsize not in (2, 4) or dtype == jnp.bool_:
-        reasons.append(f"dtype {dtype}: the Triton tile copies 16- and 32-bit elements")
-    return reasons + _common.too_large_reasons(x.shape)
+    return (_common.missing_packages(platform)
+            + xla_tile.tile_reasons(x, dim, count, "the Triton tile")
+            + _common.too_large_reasons(x.shape))
 
 
 KERNEL = register(Kernel(
