@@ -45,21 +45,19 @@ AUTO_PREFERENCE: dict[str, tuple[str, ...]] = {
     "rocm": ("pallas", "xla"),
     "tpu": ("pallas", "xla"),
 }
-# Per-family exceptions.
-# - cuda: Triton before Pallas for reduce, einsum and tile, on the deviceless
-#   compile evidence (bench/static/GPU.md, tests/static/test_triton_compile.py):
-#   the Triton reductions split a long reduced axis so a launch covers every SM
-#   and keep logsumexp statistics per lane (5 CTAs/SM); the Triton matmul has a
-#   per-architecture table and splits K for skinny shapes; the Triton tile
-#   clamps its index in the kernel. Without jax-triton/triton installed the
-#   Triton kernels decline and Pallas runs. No GPU has timed either yet.
-# - tpu collectives: the Pallas ring collectives have only run in TPU
-#   interpret mode; XLA's ICI collectives are tuned, so `auto` keeps them until
-#   the kernels are measured on a TPU (`collective=pallas` still selects them).
+# On cuda, Pallas before Triton, on the deviceless compile evidence
+# (bench/static/GPU.md; no GPU has timed either yet): both meet the static
+# targets (0 spills, >= 1 CTA per SM for large reductions and tiles, >= 4
+# CTAs/SM for logsumexp, 128-wide tensor-core tiles), and Pallas' bf16 matmul
+# is pipelined (3 stages, 144 KiB of shared memory, wgmma m64n256 on H100)
+# where the Triton kernel's bf16 loads are not (one 32 KiB stage). Triton
+# runs where Pallas declines, and `einsum=triton` gives split-K for skinny
+# matmuls (8x4096x4096: 256 programs against Pallas' 32).
+#
+# Per-family exceptions. The Pallas ring collectives have only run in TPU
+# interpret mode; XLA's ICI collectives are tuned, so `auto` keeps them until
+# the kernels are measured on a TPU (`collective=pallas` still selects them).
 AUTO_PREFERENCE_BY_FAMILY: dict[tuple[str, str], tuple[str, ...]] = {
-    ("reduce", "cuda"): ("triton", "pallas", "xla"),
-    ("einsum", "cuda"): ("triton", "pallas", "xla"),
-    ("tile", "cuda"): ("triton", "pallas", "xla"),
     ("collective", "tpu"): ("xla",),
 }
 

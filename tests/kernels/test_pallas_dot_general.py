@@ -180,8 +180,7 @@ def test_registry_picks_a_kernel_for_supported_cases(platform):
     choice = _registry.choose("dot_general", platform, _registry.parse_selection("auto"), avals,
                               dimension_numbers=MATMUL, precision=None,
                               preferred_element_type=jnp.float32)
-    # auto on cuda prefers the triton backend (see _registry.AUTO_PREFERENCE_BY_FAMILY)
-    assert choice.kernel.backend == ("triton" if platform == "cuda" else "pallas")
+    assert choice.kernel is pallas_dot.KERNEL
     pallas = _registry.choose("dot_general", platform, _registry.parse_selection("pallas"), avals,
                               dimension_numbers=MATMUL, precision=None,
                               preferred_element_type=jnp.float32)

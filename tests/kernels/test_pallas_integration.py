@@ -40,12 +40,13 @@ def test_pallas_on_cpu_matches_xla(name):
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
-def test_auto_picks_kernels_on_accelerators(platform, name):
-    """auto: Triton on cuda (then Pallas), Pallas on tpu; "pallas": Pallas."""
+def test_accelerators_lower_the_selected_kernels(platform, name):
+    """auto and "pallas": Pallas on cuda and tpu; "triton": jax-triton's calls on cuda."""
     fn, shapes = PROGRAMS[name]
     args = data(*shapes)
-    for selection in ("auto", "pallas"):
-        backend = "triton" if selection == "auto" and platform == "cuda" else "pallas"
+    selections = ("auto", "pallas", "triton") if platform == "cuda" else ("auto", "pallas")
+    for selection in selections:
+        backend = "triton" if selection == "triton" else "pallas"
         with nx.kernels.use(selection):
             explanation = nx.kernels.explain(fn, *args, platform=platform)
             text = lower_text(fn, *args, platform=platform)

@@ -180,9 +180,7 @@ def test_registry_takes_pallas_or_falls_back_with_a_reason(dtype, platform, unsu
     aval = jax.ShapeDtypeStruct((4, 8), dtype)
     auto = _registry.choose("reduce", platform, _registry.parse_selection("auto"), [aval],
                             axes=(1,), op="sum")
-    # auto on cuda prefers the triton backend (see _registry.AUTO_PREFERENCE_BY_FAMILY)
-    expected = ("xla" if unsupported or platform == "cpu"
-                else "triton" if platform == "cuda" else "pallas")
+    expected = "xla" if unsupported or platform == "cpu" else "pallas"
     assert auto.kernel.backend == expected
     pallas = _registry.parse_selection("pallas")
     if unsupported:

@@ -73,7 +73,7 @@ def test_default_platform_cpu_takes_a_traced_index():
 
 
 @pytest.mark.parametrize("shape,dtype,platform,backend", [
-    ((8, 4), jnp.float32, "cuda", "triton"),   # auto on cuda prefers triton, then pallas
+    ((8, 4), jnp.float32, "cuda", "pallas"),
     ((8, 4), jnp.bfloat16, "tpu", "pallas"),
     ((7, 4), jnp.float32, "cuda", "xla"),   # 7 rows do not split into 2 tiles
     ((8, 4), jnp.int8, "cuda", "xla"),      # 8-bit elements
