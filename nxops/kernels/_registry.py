@@ -48,11 +48,11 @@ AUTO_PREFERENCE: dict[str, tuple[str, ...]] = {
 # On cuda, Pallas before Triton, on the deviceless compile evidence
 # (bench/static/GPU.md; no GPU has timed either yet): both meet the static
 # targets (0 spills, >= 1 CTA per SM for large reductions and tiles, >= 4
-# CTAs/SM for logsumexp, 128-wide tensor-core tiles), and Pallas' bf16 matmul
-# is pipelined (3 stages, 144 KiB of shared memory, wgmma m64n256 on H100)
-# where the Triton kernel's bf16 loads are not (one 32 KiB stage). Triton
-# runs where Pallas declines, and `einsum=triton` gives split-K for skinny
-# matmuls (8x4096x4096: 256 programs against Pallas' 32).
+# CTAs/SM for logsumexp, pipelined 128x256 wgmma / 128x128 mma.sync tiles),
+# and Pallas does it with fewer registers for the same tiles (4096^3 bf16
+# matmul on H100: 186 against 218) and no extra package. Triton runs where
+# Pallas declines, and `einsum=triton` gives split-K for skinny matmuls
+# (8x4096x4096: 256 programs against Pallas' 32).
 #
 # Per-family exceptions. The Pallas ring collectives have only run in TPU
 # interpret mode; XLA's ICI collectives are tuned, so `auto` keeps them until

@@ -82,16 +82,21 @@ def test_logsumexp_keeps_per_lane_statistics_at_four_ctas_per_sm(compiled):
         assert out["rows_lse", dtype][0].ctas_per_sm >= 4, out["rows_lse", dtype]
 
 
-def test_matmul_uses_the_arch_tensor_cores_with_128_wide_tiles(compiled):
+def test_matmul_uses_the_arch_tensor_cores_with_large_pipelined_tiles(compiled):
     arch, out = compiled
     for dtype in ("float32", "bfloat16"):
         (mm,) = out["matmul", dtype]
-        assert mm.blocks == (4096 // 128) ** 2, mm   # 128x128 tiles, no K split at 4096^3
+        wide = arch == "h100" and dtype == "bfloat16"   # 128x256 tiles there, else 128x128
+        assert mm.blocks == (4096 // 128) * (4096 // (256 if wide else 128)), mm   # no K split
         assert mm.warps == 8
         if arch == "h100":
-            assert mm.tensor_core.startswith("wgmma.m64n128"), mm
+            assert mm.tensor_core.startswith("wgmma.m64n256" if wide else "wgmma.m64n128"), mm
         else:
             assert mm.tensor_core.startswith("mma.m16n8"), mm
+        # Loads pipelined: at least two stages of both operand tiles in shared memory.
+        stage = 128 * 64 * 2 + 64 * (256 if wide else 128) * 2 if dtype == "bfloat16" else \
+            2 * 128 * 32 * 4
+        assert mm.shared_memory >= 2 * stage, mm
         for k in out["matmul_grad", dtype]:
             assert k.tensor_core is not None, k
 
@@ -105,7 +110,8 @@ def test_skinny_matmul_takes_small_tiles_and_splits_k(compiled):
 
 
 def test_the_configuration_table_is_per_architecture():
-    assert triton_dot.config_for(4096, 4096, 4096, 2, "sm90").bm >= 128
+    assert triton_dot.config_for(4096, 4096, 4096, 2, "sm90").bn == 256
+    assert triton_dot.config_for(1024, 1024, 1024, 2, "sm90").bn == 128   # 32 tiles of 128x256: too few
     assert triton_dot.config_for(4096, 4096, 4096, 2, "sm80").bn >= 128
     skinny = triton_dot.config_for(8, 4096, 4096, 2, "sm90")
     assert skinny.bm == 16 and skinny.bn >= 128

@@ -57,19 +57,23 @@ class Config(NamedTuple):
 # spills, wgmma with N >= 128 on sm_90, mma.sync on sm_80, smem under the
 # A100's 163 KiB for 3-stage 2-byte and f32 tiles.
 CONFIGS: dict[tuple[str, int, str], Config] = {
-    # 128x256x64 (wgmma m64n256) spills 96-232 bytes with 8 warps: 128x128.
-    ("sm90", 2, "large"): Config(128, 128, 64, 8, 3),
+    # 218 registers, 144 KiB (3 stages), wgmma m64n256k16 on H100.
+    ("sm90", 2, "large"): Config(128, 256, 64, 8, 3),
     ("sm90", 4, "large"): Config(128, 128, 32, 8, 3),
     ("sm80", 2, "large"): Config(128, 128, 64, 8, 3),
     ("sm80", 4, "large"): Config(128, 128, 32, 8, 3),
 }
 
 
-def config_for(n_m: int, n_n: int, n_k: int, itemsize: int, arch: str) -> Config:
-    """The configuration of an ``[M, K] x [K, N]`` matmul on ``arch`` ("sm90",
-    "sm80"): the table's large tile, shrunk to the next power of two (at least
+def config_for(n_m: int, n_n: int, n_k: int, itemsize: int, arch: str,
+               n_batch: int = 1) -> Config:
+    """The configuration of a ``[B, M, K] x [B, K, N]`` matmul on ``arch``
+    ("sm90", "sm80"): the table's large tile (256 wide only when that still
+    gives half the target programs), shrunk to the next power of two (at least
     16) along a short dim, with warps for the tile left."""
     large = CONFIGS[(arch, 2 if itemsize <= 2 else 4, "large")]
+    if large.bn > 128 and n_batch * cdiv(n_m, large.bm) * cdiv(n_n, large.bn) < TARGET_PROGRAMS // 2:
+        large = large._replace(bn=128)
     bm = min(large.bm, max(16, _common.next_power_of_2(n_m)))
     bn = min(large.bn, max(16, _common.next_power_of_2(n_n)))
     bk = min(large.bk, max(16, _common.next_power_of_2(n_k)))
@@ -88,15 +92,18 @@ def k_splits(tiles: int, n_k: int, bk: int) -> tuple[int, int]:
 
 
 @triton.jit
-def _matmul_kernel(a_ptr, b_ptr, n_m, n_n, n_k, k_per_split, o_ptr,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+def _matmul_kernel(a_ptr, b_ptr, o_ptr, n_m: tl.constexpr, n_n: tl.constexpr,
+                   n_k: tl.constexpr, k_per_split: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    GROUP: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr):
     """``o[s, b] = a[b, :, K_s] @ b[b, K_s, :]`` for program (tile, b, s).
 
     As Triton's matmul tutorial: rows/columns past the edge wrap around (their
     results are never stored), so only K is masked; pointers advance by one
     block per step; offsets within one operand are int32 (the registry
-    declines operands over 2**31 elements), the batch offset int64.
+    declines operands over 2**31 elements), the batch offset int64. The sizes
+    are constexprs: with their divisibility known, Triton vectorizes the
+    loads and pipelines them (bf16 on H100: 3 stages; as runtime scalars it
+    could not prove 16-byte alignment and kept one).
     """
     tile, batch, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     tiles_m, tiles_n = tl.cdiv(n_m, BM), tl.cdiv(n_n, BN)
@@ -152,15 +159,16 @@ def input_precision(precision, dtype) -> str:
 def batched_matmul(a3, b3, out_dtype, precision, target: Target) -> jax.Array:
     """``[B, M, K] x [B, K, N] -> [B, M, N]`` with an f32 accumulator."""
     (n_batch, n_m, n_k), n_n = a3.shape, b3.shape[2]
-    config = config_for(n_m, n_n, n_k, jnp.dtype(a3.dtype).itemsize, target.arch)
+    config = config_for(n_m, n_n, n_k, jnp.dtype(a3.dtype).itemsize, target.arch, n_batch)
     tiles = cdiv(n_m, config.bm) * cdiv(n_n, config.bn)
     k_per_split, splits = k_splits(tiles * n_batch, n_k, config.bk)
     partial_dtype = out_dtype if splits == 1 else F32
     (out,) = launch(
-        _matmul_kernel, a3, b3, n_m, n_n, n_k, k_per_split,
+        _matmul_kernel, a3, b3,
         out_shape=[jax.ShapeDtypeStruct((splits, n_batch, n_m, n_n), partial_dtype)],
         grid=(tiles, n_batch, splits), target=target, name="nxops_triton_matmul",
         num_warps=config.warps, num_stages=config.stages,
+        n_m=n_m, n_n=n_n, n_k=n_k, k_per_split=k_per_split,
         BM=config.bm, BN=config.bn, BK=config.bk, GROUP=GROUP_M,
         PRECISION=input_precision(precision, a3.dtype), EVEN_K=n_k % config.bk == 0)
     return out[0] if splits == 1 else jnp.sum(out, axis=0).astype(out_dtype)

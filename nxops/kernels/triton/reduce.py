@@ -11,7 +11,9 @@ kernel does: no data moves when the reduced axes are contiguous), then
   slab ``o`` over piece ``p``.
 
 Kernel parameters follow jax-triton's order: inputs and scalars, outputs,
-constexprs. Each program keeps one f32 accumulator *per lane* of its ``[BO, BR]`` /
+constexprs. Sizes are constexprs (one compile per shape, as everywhere in
+JAX): known divisibility lets Triton issue 16-byte vector loads, which it
+cannot prove for runtime sizes (scalar loads only). Each program keeps one f32 accumulator *per lane* of its ``[BO, BR]`` /
 ``[BR, BI]`` block and combines elementwise on every step; the lanes are
 reduced once, at the end. logsumexp keeps a per-lane running max and a sum
 scaled to it, with one ``exp`` per element. When the programs would not cover
@@ -126,8 +128,8 @@ def _finish(acc, s, OP: tl.constexpr, AXIS: tl.constexpr):
 
 
 @triton.jit
-def _rows_kernel(x_ptr, n_rows, n_cols, piece_len, n_pieces, o_ptr,
-                 OP: tl.constexpr, IDENTITY: tl.constexpr, BO: tl.constexpr, BR: tl.constexpr):
+def _rows_kernel(x_ptr, o_ptr, n_rows: tl.constexpr, n_cols: tl.constexpr,
+                 piece_len: tl.constexpr, n_pieces: tl.constexpr, OP: tl.constexpr, IDENTITY: tl.constexpr, BO: tl.constexpr, BR: tl.constexpr):
     """``[n_rows, n_cols] -> [n_rows, n_pieces]``: program (i, p) reduces rows
     ``i*BO ...`` over columns ``[p*piece_len, (p+1)*piece_len)``."""
     i, p = tl.program_id(0), tl.program_id(1)
@@ -147,8 +149,8 @@ def _rows_kernel(x_ptr, n_rows, n_cols, piece_len, n_pieces, o_ptr,
 
 
 @triton.jit
-def _columns_kernel(x_ptr, n_reduced, n_inner, piece_len, n_pieces, o_ptr,
-                    OP: tl.constexpr, IDENTITY: tl.constexpr, BR: tl.constexpr, BI: tl.constexpr):
+def _columns_kernel(x_ptr, o_ptr, n_reduced: tl.constexpr, n_inner: tl.constexpr,
+                    piece_len: tl.constexpr, n_pieces: tl.constexpr, OP: tl.constexpr, IDENTITY: tl.constexpr, BR: tl.constexpr, BI: tl.constexpr):
     """``[outer, n_reduced, n_inner] -> [outer, n_pieces, n_inner]``: program
     (o, k, p) reduces columns ``k*BI ...`` of slab ``o`` over piece ``p``."""
     o, k, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -193,10 +195,11 @@ def _rows(x2, op: str, target: Target, out_dtype, *, split: bool = True) -> jax.
     piece_len, n_pieces = pieces(n_cols, br, programs) if split else (n_cols, 1)
     partial_dtype = out_dtype if n_pieces == 1 else jnp.float32
     (out,) = launch(
-        _rows_kernel, x2, n_rows, n_cols, piece_len, n_pieces,
+        _rows_kernel, x2,
         out_shape=[jax.ShapeDtypeStruct((n_rows, n_pieces), partial_dtype)],
         grid=(programs, n_pieces), target=target, name=f"nxops_triton_reduce_rows_{op}",
         num_warps=_common.num_warps_for(bo * br),
+        n_rows=n_rows, n_cols=n_cols, piece_len=piece_len, n_pieces=n_pieces,
         OP=OPS[op], IDENTITY=IDENTITY[op], BO=bo, BR=br)
     if n_pieces == 1:
         return out[:, 0]
@@ -211,10 +214,11 @@ def _columns(x3, op: str, target: Target, out_dtype, *, split: bool = True) -> j
     piece_len, n_pieces = pieces(n_reduced, br, programs) if split else (n_reduced, 1)
     partial_dtype = out_dtype if n_pieces == 1 else jnp.float32
     (out,) = launch(
-        _columns_kernel, x3, n_reduced, n_inner, piece_len, n_pieces,
+        _columns_kernel, x3,
         out_shape=[jax.ShapeDtypeStruct((n_outer, n_pieces, n_inner), partial_dtype)],
         grid=(n_outer, cdiv(n_inner, bi), n_pieces), target=target,
         name=f"nxops_triton_reduce_columns_{op}", num_warps=_common.num_warps_for(br * bi),
+        n_reduced=n_reduced, n_inner=n_inner, piece_len=piece_len, n_pieces=n_pieces,
         OP=OPS[op], IDENTITY=IDENTITY[op], BR=br, BI=bi)
     if n_pieces == 1:
         return out[:, 0, :]

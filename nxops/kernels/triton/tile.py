@@ -31,8 +31,8 @@ MAX_ROW_BLOCK = 1024
 
 
 @triton.jit
-def _tile_kernel(x_ptr, index_ptr, n_outer, count, tile_len, o_ptr,
-                 BO: tl.constexpr, BL: tl.constexpr):
+def _tile_kernel(x_ptr, index_ptr, o_ptr, n_outer: tl.constexpr, count: tl.constexpr,
+                 tile_len: tl.constexpr, BO: tl.constexpr, BL: tl.constexpr):
     o, l = tl.program_id(0), tl.program_id(1)
     index = tl.load(index_ptr)
     index = tl.where(index < 0, index + count, index)
@@ -50,10 +50,11 @@ def _tile3(x3, index, target: Target) -> jax.Array:
     bl = min(_common.next_power_of_2(tile_len), MAX_ROW_BLOCK)
     bo = max(1, min(_common.next_power_of_2(n_outer), MAX_BLOCK // bl))
     (out,) = launch(
-        _tile_kernel, x3, jnp.asarray(index, jnp.int32).reshape(1), n_outer, count, tile_len,
+        _tile_kernel, x3, jnp.asarray(index, jnp.int32).reshape(1),
         out_shape=[jax.ShapeDtypeStruct((n_outer, tile_len), x3.dtype)],
         grid=(cdiv(n_outer, bo), cdiv(tile_len, bl)), target=target, name="nxops_triton_tile",
-        num_warps=_common.num_warps_for(bo * bl), BO=bo, BL=bl)
+        num_warps=_common.num_warps_for(bo * bl),
+        n_outer=n_outer, count=count, tile_len=tile_len, BO=bo, BL=bl)
     return out
 
 
