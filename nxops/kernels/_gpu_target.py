@@ -32,10 +32,10 @@ def capability_of(device) -> int | None:
     return int(major) * 10 + int(minor or 0)
 
 
-def arch_of(device) -> str | None:
-    """``sm90`` for compute capability 9.x and later, ``sm80`` for 8.x, else None."""
-    capability = capability_of(device)
-    return None if capability is None else ("sm90" if capability >= 90 else "sm80")
+def arch_for(capability: int) -> str:
+    """``sm90`` for compute capability 9.x and later, else ``sm80``."""
+    return "sm90" if capability >= 90 else "sm80"
+
 
 
 @contextlib.contextmanager
@@ -63,4 +63,4 @@ def compute_capability() -> int:
 
 def gpu_arch() -> str:
     """The architecture GPU kernels are being built for: a row of their tables."""
-    return "sm90" if compute_capability() >= 90 else "sm80"
+    return arch_for(compute_capability())

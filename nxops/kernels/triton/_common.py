@@ -3,19 +3,14 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from nxops.kernels.pallas._common import FLOAT_DTYPES, next_power_of_2, too_large_reasons  # noqa: F401  (re-exported)
+import functools
+
+from nxops.kernels._layout import cdiv  # noqa: F401  (re-exported)
+from nxops.kernels.pallas._common import (  # noqa: F401  (re-exported)
+    FLOAT_DTYPES, next_power_of_2, num_warps_for, too_large_reasons)
 
 # cuda: compiled through jax-triton; cpu: Triton's interpreter (for tests).
 PLATFORMS = ("cpu", "cuda")
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def num_warps_for(elements: int) -> int:
-    """Warps for a block of ``elements`` values: about 16 per thread, 1 to 8."""
-    return max(1, min(8, next_power_of_2(elements) // 512))
 
 
 def float_dtype_reasons(what: str, *dtypes) -> list[str]:
@@ -25,6 +20,7 @@ def float_dtype_reasons(what: str, *dtypes) -> list[str]:
             if d not in FLOAT_DTYPES]
 
 
+@functools.cache   # asked on every lowering; installs do not change in a process
 def _importable(module: str) -> bool:
     import importlib.util  # noqa: PLC0415
     return importlib.util.find_spec(module) is not None

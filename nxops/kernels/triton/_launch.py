@@ -20,7 +20,7 @@ from typing import Any, Iterator, Sequence
 import jax
 import numpy as np
 
-from nxops.kernels._gpu_target import compute_capability
+from nxops.kernels._gpu_target import DEFAULT_COMPUTE_CAPABILITY, arch_for, compute_capability
 from nxops.kernels.triton import _interpreter
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +35,7 @@ class Target:
 
     @property
     def arch(self) -> str:
-        return "sm90" if (self.compute_capability or 90) >= 90 else "sm80"
+        return arch_for(self.compute_capability or DEFAULT_COMPUTE_CAPABILITY)
 
 
 def target_for(platform: str) -> Target:
