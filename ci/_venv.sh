@@ -1,23 +1,26 @@
-# Sourced by the README commands: makes .venv in the repo root (once) and
-# installs nxops with the extras in NXOPS_EXTRAS (default: test) into it.
-# pip's output goes to .venv/install.log; only a failure shows it.
+# Sourced by the README commands: makes a venv in the repo root (once; .venv,
+# or $NXOPS_VENV) and installs nxops with the extras in NXOPS_EXTRAS (default:
+# test) into it, with $NXOPS_JAX (e.g. "jax==0.12.0.1") when set.
+# pip's output goes to <venv>/install.log; only a failure shows it.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${PYTHON:-python3}
+VENV=${NXOPS_VENV:-.venv}
 NXOPS_EXTRAS=${NXOPS_EXTRAS:-test}
-# nxops runs on the host CPU here; the compile extras (jax-cuda12-plugin, libtpu)
+# nxops runs on the host CPU here; the compile extras (the CUDA plugin, libtpu)
 # only compile for GPU/TPU, and the CUDA plugin's device probe fails without this.
 export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}
-stamp=.venv/.nxops-installed-${NXOPS_EXTRAS//,/-}
+stamp=$VENV/.nxops-installed-${NXOPS_EXTRAS//,/-}${NXOPS_JAX:+-${NXOPS_JAX//[^A-Za-z0-9.]/}}
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  echo "installing nxops[$NXOPS_EXTRAS] into .venv (first run only; log: .venv/install.log)"
-  [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-  if ! { .venv/bin/python -m pip install --upgrade pip \
-         && .venv/bin/python -m pip install -e ".[$NXOPS_EXTRAS]"; } > .venv/install.log 2>&1; then
-    grep -iE "error|conflict" .venv/install.log | tail -20 >&2
-    echo "pip install failed; full log: .venv/install.log" >&2
+  echo "installing nxops[$NXOPS_EXTRAS] ${NXOPS_JAX:-} into $VENV (first run only; log: $VENV/install.log)"
+  [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+  if ! { "$VENV/bin/python" -m pip install --upgrade pip \
+         && "$VENV/bin/python" -m pip install -e ".[$NXOPS_EXTRAS]" ${NXOPS_JAX:+"$NXOPS_JAX"}; } \
+       > "$VENV/install.log" 2>&1; then
+    grep -iE "error|conflict" "$VENV/install.log" | tail -20 >&2
+    echo "pip install failed; full log: $VENV/install.log" >&2
     exit 1
   fi
   touch "$stamp"
 fi
-export PATH="$PWD/.venv/bin:$PATH"
+export PATH="$PWD/$VENV/bin:$PATH"

@@ -4,7 +4,11 @@
 reductions, einsum/pdot and collectives that run in Pallas/Triton/XLA kernels
 chosen by ``nx.kernels`` (``NXOPS_KERNELS``).
 """
-from nxops._errors import NxopsError
+from nxops._supported_jax import check_jax_version
+
+check_jax_version()   # before the rest: outside the range, their imports fail obscurely
+
+from nxops._errors import NxopsError  # noqa: E402
 from nxops import hlo, kernels, random
 from nxops._export import export
 from nxops.ops import (

@@ -1,11 +1,15 @@
 """Every private JAX API nxops uses, in one place.
 
-nxops is tested on JAX 0.10.2 (CI); the GPU machines run 0.11 and users move
-on. A private API that moves breaks here and nowhere else. Each entry says
-what nxops uses it for and the public alternative, if any. Modules import
-these names from here, never from ``jax._src``.
+nxops is tested on JAX 0.10.2 and 0.12.0.1 (CI; the GPU machines run 0.11.2).
+A private API that moves breaks here and nowhere else: where JAX versions
+differ, the entry picks by feature detection (what the module has), never by
+version number. Each entry says what nxops uses it for and the public
+alternative, if any. Modules import these names from here, never from
+``jax._src``.
 """
 from __future__ import annotations
+
+import inspect
 
 # Primitive machinery (ops/_primitive.py): the impl of a primitive through
 # dispatch, abstract evaluation by tracing the reference, and the debug info
@@ -27,6 +31,10 @@ from jax._src import config  # noqa: F401
 # (xmap's mesh in scope). Public: jax.sharding.get_abstract_mesh only gives
 # the abstract mesh.
 from jax._src import mesh as mesh_lib  # noqa: F401
+# What jax.set_mesh sets (JAX 0.10: jax._src.config; 0.11+: jax._src.mesh) and
+# what the legacy `with mesh:` sets.
+device_context = getattr(mesh_lib, "device_context", None) or config.device_context
+legacy_mesh_context = config.mesh_context_manager
 # Whether an argument is a committed jax.Array (xmap's input placement).
 from jax._src.array import ArrayImpl  # noqa: F401
 # vmap's out_axes inference sentinel (xmap's tile levels learn which results
@@ -47,3 +55,39 @@ def vma_checked() -> bool:
     mesh size and a varying all-gather must sum them back. No public API.
     """
     return bool(config._check_vma.value)
+
+
+def scan_split(params) -> tuple[int, int]:
+    """(number of consts, number of carries) of a ``scan`` equation's operands.
+
+    JAX 0.10 stores them as ``num_consts``/``num_carry``; 0.11+ as ``ft_in``, a
+    flat tree (consts, carry, xs). No public alternative (jaxpr params).
+    """
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
+
+
+def adapt_dce_rule(primitive) -> None:
+    """Makes ``primitive``'s dead-code-elimination rule callable by this JAX.
+
+    JAX <= 0.11 calls a rule as ``rule(used_outs, eqn)``; 0.12 as
+    ``rule(used_outs, live_ins, eqn)``. A third-party rule written for the
+    older signature (jax-triton 0.4.1's) is wrapped; nothing changes where the
+    signatures agree. No public alternative (``pe.dce_rules`` is internal).
+    """
+    rule = pe.dce_rules.get(primitive)
+    if rule is None or getattr(rule, "_nxops_adapted", False):
+        return
+    expected = len(inspect.signature(pe._default_dce_rule).parameters)
+    try:
+        given = len(inspect.signature(rule).parameters)
+    except (TypeError, ValueError):
+        return
+    if (expected, given) == (3, 2):
+        def adapted(used_outs, live_ins, eqn):
+            del live_ins
+            return rule(used_outs, eqn)
+        adapted._nxops_adapted = True
+        pe.dce_rules[primitive] = adapted

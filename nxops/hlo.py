@@ -199,6 +199,10 @@ def _nbytes(dtype: str, dims: tuple[int, ...]) -> int:
 
 
 def _group_size(attributes: str, num_devices: int | None) -> int:
+    """Devices per group of one collective, from any of XLA's printed forms:
+    explicit ``{{0,1},{2,3}}``, iota ``[2,4]<=[8]``, mesh axes (``jax_use_rgv3``,
+    the default from JAX 0.11: ``mesh['x'=4,'y'=2] {'y'}``), permute pairs, or
+    ``{}`` (every device). Anything else is an error, never a guess."""
     explicit = re.search(r"replica_groups=\{(\{[\d,\s]*\}(?:\s*,\s*\{[\d,\s]*\})*)\}", attributes)
     if explicit:
         first = re.match(r"\{([\d,\s]*)\}", explicit.group(1)).group(1)
@@ -206,13 +210,30 @@ def _group_size(attributes: str, num_devices: int | None) -> int:
     iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[", attributes)
     if iota:
         return int(iota.group(2))
+    over_mesh_axes = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attributes)
+    if over_mesh_axes:
+        return _mesh_axes_group_size(over_mesh_axes)
     pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", attributes)
     if pairs:
         return len(set(re.findall(r"\d+", pairs.group(1))))
+    if "replica_groups=" in attributes and "replica_groups={}" not in attributes:
+        raise ValueError(f"cannot read the replica groups of this collective: {attributes[:300]}")
     if num_devices is None:
         raise ValueError("the HLO has a collective over all devices (replica_groups={}) and no "
                          "num_partitions/replica_count in its header: pass num_devices=")
     return num_devices
+
+
+def _mesh_axes_group_size(match: re.Match) -> int:
+    """``mesh['x'=4,'y'=2] {'x','y'}``: the product of the named axes' sizes."""
+    sizes = dict(re.findall(r"'([^']+)'\s*=\s*(\d+)", match.group(1)))
+    names = re.findall(r"'([^']+)'", match.group(2))
+    if not names or any(n not in sizes for n in names) or re.search(r"[^'\w\s,]", match.group(2)):
+        raise ValueError(f"cannot read the replica groups {match.group(0)!r}")
+    size = 1
+    for name in names:
+        size *= int(sizes[name])
+    return size
 
 
 def _logical_kind(op_name: str, kind: str) -> str:

@@ -165,3 +165,37 @@ def test_empty_replica_groups_need_a_device_count():
         hlo.collectives(text)
     ar = [c for c in hlo.collectives(text, num_devices=4) if c.kind == "all-reduce"]
     assert ar[0].group_size == 4
+
+
+# JAX >= 0.11 prints replica groups by mesh axes (jax_use_rgv3), e.g. from a
+# shard_map on a (4, 2) mesh compiled by JAX 0.12.0.1:
+RGV3_HLO = """\
+HloModule jit_f, entry_computation_layout={(f32[8,4]{1,0})->f32[8,4]{1,0}}, num_partitions=8
+
+%region_0.0 (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(f32[] %a, f32[] %b)
+}
+
+ENTRY %main (param.1: f32[2,2]) -> f32[2,2] {
+  %param.1 = f32[2,2]{1,0} parameter(0)
+  %psum.14 = f32[2,2]{1,0} all-reduce(%param.1), channel_id=1, replica_groups=mesh['x'=4,'y'=2] {'y'}, use_global_device_ids=true, to_apply=%region_0.0, metadata={op_name="jit(<lambda>)/shard_map/psum"}
+  %psum.15 = f32[2,2]{1,0} all-reduce(%param.1), channel_id=1, replica_groups=mesh['x'=4,'y'=2] {'x'}, use_global_device_ids=true, to_apply=%region_0.0, metadata={op_name="jit(<lambda>)/shard_map/psum"}
+  ROOT %all_gather.7 = f32[8,2,2]{2,1,0} all-gather(%param.1), channel_id=1, replica_groups=mesh['x'=4,'y'=2] {'x','y'}, dimensions={0}, use_global_device_ids=true, metadata={op_name="jit(<lambda>)/shard_map/all_gather"}
+}
+"""
+
+
+def test_replica_groups_by_mesh_axes():
+    by_y, by_x, gather = hlo.collectives(RGV3_HLO)
+    assert (by_y.group_size, by_x.group_size, gather.group_size) == (2, 4, 8)
+    assert by_y.bytes_per_device == pytest.approx(2 * 1 / 2 * 16)
+
+
+@pytest.mark.parametrize("groups", ["mesh['x'=4,'y'=2] {'z'}", "mesh['x'=4,'y'=2] {}",
+                                    "mesh['x'=4] {'x':(1)2}", "<<unknown>>"])
+def test_unreadable_replica_groups_raise_instead_of_guessing(groups):
+    text = RGV3_HLO.replace("mesh['x'=4,'y'=2] {'y'}", groups)
+    with pytest.raises(ValueError, match="cannot read the replica groups"):
+        hlo.collectives(text)

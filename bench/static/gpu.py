@@ -125,7 +125,8 @@ def compile_gpu(fn: Callable, *args: jax.ShapeDtypeStruct, arch: str = "h100",
     with tempfile.TemporaryDirectory() as dump, jax.set_mesh(mesh), \
             _triton_kernels_dumped(pathlib.Path(dump) / "triton") as launches:
         compiled = jax.jit(fn).trace(*placed).lower().compile(
-            compiler_options={"xla_dump_to": dump})
+            # XLA (JAX 0.12) dumps each kernel's PTX only for emitters this matches
+            compiler_options={"xla_dump_to": dump, "xla_dump_emitter_re": ".*"})
         kernels = _read_dump(pathlib.Path(dump), ARCHS[arch])
         kernels += _read_triton_dump(pathlib.Path(dump) / "triton", launches, ARCHS[arch])
     return GpuCompileReport(ARCHS[arch], compiled, compiled.as_text(), kernels)
@@ -143,12 +144,27 @@ def _triton_kernels_dumped(dump: pathlib.Path):
         return
     saved = triton_lib._JAX_TRITON_DUMP_DIR
     triton_lib._JAX_TRITON_DUMP_DIR = str(dump)
-    triton_lib._COMPILED_KERNEL_CACHE.clear()   # compiled kernels are dumped when built
+    _clear_compiled_kernels(triton_lib)   # compiled kernels are dumped when built
     try:
         with _launch.recording_launches() as rec:
             yield rec
     finally:
         triton_lib._JAX_TRITON_DUMP_DIR = saved
+
+
+def _clear_compiled_kernels(triton_lib) -> None:
+    """jax-triton 0.3 keeps built kernels in one module cache; 0.4 per kernel
+    function (``_jT_kernel_cache``): nxops' kernels are cleared there."""
+    if hasattr(triton_lib, "_COMPILED_KERNEL_CACHE"):
+        triton_lib._COMPILED_KERNEL_CACHE.clear()
+        return
+    from nxops.kernels.triton import dot_general, reduce, tile
+    for module in (dot_general, reduce, tile):
+        for value in vars(module).values():   # a @triton.jit function (or its autotuner)
+            for kernel in (value, getattr(value, "fn", None)):
+                cache = getattr(kernel, "_jT_kernel_cache", None)
+                if isinstance(cache, dict):
+                    cache.clear()
 
 
 def _read_triton_dump(dump: pathlib.Path, launches, arch: Arch) -> list[KernelStats]:
@@ -206,8 +222,15 @@ def _read_dump(dump: pathlib.Path, arch: Arch) -> list[KernelStats]:
 
 
 def ptxas_path() -> str:
-    import nvidia.cuda_nvcc
-    return str(pathlib.Path(nvidia.cuda_nvcc.__path__[0]) / "bin" / "ptxas")
+    """ptxas from the nvcc wheel: ``nvidia/cuda_nvcc/bin`` (nvidia-cuda-nvcc-cu12,
+    JAX 0.10) or ``nvidia/cu13/bin`` (nvidia-cuda-nvcc 13, JAX 0.12)."""
+    import nvidia
+    for root in map(pathlib.Path, nvidia.__path__):
+        for candidate in (root / "cuda_nvcc" / "bin" / "ptxas", root / "cu13" / "bin" / "ptxas"):
+            if candidate.exists():
+                return str(candidate)
+    raise FileNotFoundError("no ptxas in the nvidia wheels: install the compile extra "
+                            "(pip install 'nxops[compile]')")
 
 
 _ENTRY = re.compile(r"Compiling entry function '(\S+)'")

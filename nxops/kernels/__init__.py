@@ -11,7 +11,7 @@ The contract with ``nxops.ops`` (the only layer above) is this module's names:
 ``target_devices`` (the devices kernels are lowered for: their GPU architecture).
 """
 from nxops.kernels._explain import Explanation, explain
-from nxops.kernels._gpu_target import target_devices
+from nxops.kernels._gpu_target import kernel_mesh, target_devices
 from nxops.kernels._registry import (
     BACKENDS, CHOICES, FAMILIES, OP_FAMILY, PLATFORMS, Choice, Kernel, Selection,
     choose, collect_reports, current_selection, parse_selection, register, registered, report,
@@ -24,6 +24,6 @@ from nxops.kernels import triton  # noqa: F401  (registers Triton kernels when j
 __all__ = [
     "BACKENDS", "CHOICES", "FAMILIES", "OP_FAMILY", "PLATFORMS", "Choice", "Explanation",
     "Kernel", "Selection", "choose", "collect_reports", "current_selection", "explain",
-    "parse_selection", "register", "registered", "report", "target_devices", "target_platform",
+    "kernel_mesh", "parse_selection", "register", "registered", "report", "target_devices", "target_platform",
     "use",
 ]

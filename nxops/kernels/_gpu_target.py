@@ -61,6 +61,27 @@ def compute_capability() -> int:
     return (capability_of(local[0]) if local else None) or DEFAULT_COMPUTE_CAPABILITY
 
 
+# A device kind per compute capability, for Pallas' Triton lowering with no
+# GPU attached: JAX >= 0.11 reads the target from the abstract mesh's
+# AbstractDevice (0.10 assumed sm_90). Kinds as JAX's gpu_info names them.
+_DEVICE_KIND_BY_CAPABILITY = {80: "NVIDIA A100", 86: "NVIDIA A10", 89: "NVIDIA L4",
+                              90: "NVIDIA H100", 100: "NVIDIA B200", 103: "NVIDIA B300",
+                              120: "NVIDIA RTX PRO 6000"}
+
+
+def kernel_mesh(platform: str) -> jax.sharding.AbstractMesh:
+    """The empty abstract mesh kernels are traced in; for cuda it names the
+    target GPU (an ``AbstractDevice``), so Pallas lowers with or without one."""
+    if platform != "cuda":
+        return _NO_MESH
+    kind = _DEVICE_KIND_BY_CAPABILITY.get(compute_capability(), "NVIDIA H100")
+    device = jax.sharding.AbstractDevice(device_kind=kind, num_cores=None, platform="gpu")
+    return jax.sharding.AbstractMesh((), (), abstract_device=device)
+
+
+_NO_MESH = jax.sharding.AbstractMesh((), ())
+
+
 def gpu_arch() -> str:
     """The architecture GPU kernels are being built for: a row of their tables."""
     return arch_for(compute_capability())

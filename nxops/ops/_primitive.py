@@ -62,12 +62,10 @@ def _lower_with_kernel(ctx, *args, registry_op: str, platform: str, naming_param
     # no shard_map varying-axes types) outside any mesh context.
     local_ctx = ctx.replace(avals_in=[_local_aval(a) for a in ctx.avals_in],
                             avals_out=[_local_aval(a) for a in ctx.avals_out])
-    with (jax.sharding.use_abstract_mesh(_NO_MESH), jax_config._check_vma(False),
-          _kernels.target_devices(_lowering_devices(ctx))):
-        return mlir.lower_fun(fn, multiple_results=False)(local_ctx, *args)
-
-
-_NO_MESH = jax.sharding.AbstractMesh((), ())
+    with _kernels.target_devices(_lowering_devices(ctx)):
+        with (jax.sharding.use_abstract_mesh(_kernels.kernel_mesh(platform)),
+              jax_config._check_vma(False)):
+            return mlir.lower_fun(fn, multiple_results=False)(local_ctx, *args)
 
 
 def _lowering_devices(ctx) -> tuple:

@@ -228,6 +228,15 @@ def _reshard(x, plan: Plan, spec: AxisSpec):
     return lax.with_sharding_constraint(x, sharding)
 
 
+def _reshard_inside_manual_region(x, plan: Plan, spec: AxisSpec):
+    """An input of a nested xmap, moved to its sharding over the axes the
+    enclosing region left Explicit (JAX 0.12's shard_map checks it matches)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if all(mesh._name_to_type[a] != AxisType.Explicit for a in plan.mesh_axes):
+        return x
+    return jax.sharding.reshard(x, plan.partition_spec(spec, x.ndim))
+
+
 def build_program(body: Callable, plan: Plan, in_tree, in_specs: list[AxisSpec],
                   out_axes: Any, user_out_axes: Any) -> tuple[Callable, _Outputs]:
     """``program(*flat_args) -> flat results``; the returned ``_Outputs`` is filled
@@ -260,6 +269,8 @@ def _over_mesh(local_program: Callable, plan: Plan, in_specs: list[AxisSpec],
         manual = jax.sharding.get_abstract_mesh().manual_axes
         if not manual:
             flat = [_reshard(x, plan, s) for x, s in zip(flat, in_specs)]
+        else:
+            flat = [_reshard_inside_manual_region(x, plan, s) for x, s in zip(flat, in_specs)]
         out_specs: list = []   # filled in once the body's results are known
 
         def sharded(*local):

@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
-from nxops._jax import core, source_info_util
+from nxops._jax import core, scan_split, source_info_util
 from nxops._errors import NxopsError
 from nxops.ops._axis_env import LogicalAxis, logical_axes
 from nxops.ops._named_params import named_axes_effect
@@ -145,7 +145,7 @@ class _Analysis:
 
     def _scan(self, eqn, ins):
         body = _open(eqn.params["jaxpr"])
-        n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+        n_consts, n_carry = scan_split(eqn.params)
         consts, carry = ins[:n_consts], ins[n_consts:n_consts + n_carry]
         xs = ins[n_consts + n_carry:]
         while True:   # the carry grows monotonically: a fixed point within len(names) steps

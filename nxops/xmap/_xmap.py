@@ -11,7 +11,8 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nxops._jax import ArrayImpl as _ArrayImpl
-from nxops._jax import config as _jax_config
+from nxops._jax import device_context as _device_context     # what jax.set_mesh sets
+from nxops._jax import legacy_mesh_context as _legacy_meshes   # what `with mesh:` sets
 from nxops._jax import mesh_lib as _mesh_lib
 from nxops._errors import NxopsError
 from nxops.ops._axis_env import current_logical_axes, current_logical_axes_map, logical_axes
@@ -25,9 +26,6 @@ from nxops.xmap._specs import (AxisSpec, broadcast_specs, infer_axis_sizes, pars
 from nxops.xmap._variance import check_no_cooccurrence
 
 # The meshes in scope when the enclosing xmap was called (None: no enclosing xmap).
-_device_context = _jax_config.device_context     # what jax.set_mesh sets
-_legacy_meshes = _jax_config.mesh_context_manager   # what the legacy `with mesh:` sets
-
 _ENCLOSING_MESH: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
     "nxops_enclosing_xmap_mesh", default=None)
 

@@ -4,7 +4,13 @@ and run by Triton's interpreter on cpu (see README.md here).
 With triton missing, the ops are still registered, with the install hint as
 the reason they cannot run: ``explain`` and an explicit ``NXOPS_KERNELS=triton``
 then say what to install instead of "none is registered"."""
-from nxops.kernels.triton._common import PLATFORMS, missing_packages
+import os
+
+# Triton 3.9 warns that its FP-fusion default flips in 3.10; these kernels are
+# written and checked with fusion on (a user's own setting wins).
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+from nxops.kernels.triton._common import PLATFORMS, missing_packages  # noqa: E402
 
 if missing_packages("cpu"):
     from nxops.kernels._registry import Kernel, register

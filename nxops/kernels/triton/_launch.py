@@ -15,13 +15,34 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
+import inspect
 from typing import Any, Iterator, Sequence
 
 import jax
 import numpy as np
 
+from nxops._jax import adapt_dce_rule
 from nxops.kernels._gpu_target import DEFAULT_COMPUTE_CAPABILITY, arch_for, compute_capability
 from nxops.kernels.triton import _interpreter
+
+_OUT_KEYWORD = "out_shape"   # jax-triton 0.3; 0.4 names it out_type (out_shape deprecated)
+
+
+@functools.cache
+def _jax_triton():
+    """jax-triton, imported on first cuda launch and made to work with this JAX."""
+    global _OUT_KEYWORD
+    import jax_triton  # noqa: PLC0415  (only the cuda path needs it)
+    from jax_triton import triton_lib  # noqa: PLC0415
+
+    if "out_type" in inspect.signature(jax_triton.triton_call).parameters:
+        _OUT_KEYWORD = "out_type"
+    # jax-triton 0.4.1's DCE rule has JAX <= 0.11's signature; JAX 0.12 passes
+    # live_ins too (every jit of a Triton call failed). Until upstream fixes it.
+    adapt_dce_rule(triton_lib.triton_kernel_call_p)
+    return jax_triton
+
 
 @dataclasses.dataclass(frozen=True)
 class Target:
@@ -82,9 +103,9 @@ def launch(kernel, *args: Any, out_shape: Sequence[jax.ShapeDtypeStruct], grid: 
         records.append(Launch(name, kernel.fn.__name__, tuple(grid), num_warps, num_stages,
                               tuple(sorted(constexprs.items()))))
     if target.platform == "cuda":
-        import jax_triton  # noqa: PLC0415  (only the cuda path needs it)
+        jax_triton = _jax_triton()
         outs = jax_triton.triton_call(
-            *args, kernel=kernel, out_shape=out_shape, grid=tuple(grid), name=name,
+            *args, kernel=kernel, **{_OUT_KEYWORD: out_shape}, grid=tuple(grid), name=name,
             num_warps=num_warps, num_stages=num_stages,
             compute_capability=target.compute_capability, **constexprs)
         return list(outs)

@@ -2,11 +2,16 @@
 (NCCL on GPU, ICI on TPU). Called inside ``shard_map`` bodies."""
 from __future__ import annotations
 
+import math
+
 import jax
+import jax.numpy as jnp
 from jax import lax
+from jax.sharding import AxisType
 
 from nxops._jax import vma_checked
 from nxops.kernels._registry import PLATFORMS, Kernel, register
+
 
 def all_gather(x: jax.Array, axis_name, *, axis: int, tiled: bool, platform: str = "cpu") -> jax.Array:
     """``lax.all_gather``: one all-gather over ``axis_name`` (a name or tuple).
@@ -19,15 +24,58 @@ def all_gather(x: jax.Array, axis_name, *, axis: int, tiled: bool, platform: str
     reduce-scatter) sums it back; the invariant one's (a slice) would not.
     """
     del platform
-    to = "invarying" if vma_checked() else "varying"
-    return lax.all_gather(x, axis_name, axis=axis, tiled=tiled, to=to)
+    if vma_checked():
+        return lax.all_gather(x, axis_name, axis=axis, tiled=tiled, to="invarying")
+    if _explicit_axes_left_automatic():   # its transpose would be a psum_scatter (below)
+        return _all_gather_by_all_to_all(x, axis_name, axis, tiled)
+    return lax.all_gather(x, axis_name, axis=axis, tiled=tiled, to="varying")
 
 
 def reduce_scatter(x: jax.Array, axis_name, *, scatter_dimension: int, tiled: bool,
                    platform: str = "cpu") -> jax.Array:
-    """``lax.psum_scatter``: one reduce-scatter over ``axis_name``."""
+    """``lax.psum_scatter``: one reduce-scatter over ``axis_name``.
+
+    Inside a ``shard_map`` that leaves an Explicit mesh axis automatic, JAX
+    0.11+ cannot lower ``psum_scatter``, nor so the transpose of ``all_gather``
+    (``_reduce_scatter_lowering`` fails: "Length of sharding.spec (1) must be
+    equal to aval's ndim (0)", a JAX bug; plain shard_map reproduces it).
+    There, on every JAX version alike, it is an all-to-all and a local sum,
+    which moves the same bytes per device ((n-1)/n of ``x``).
+    """
     del platform
+    if _explicit_axes_left_automatic():
+        return _reduce_scatter_by_all_to_all(x, axis_name, scatter_dimension, tiled)
     return lax.psum_scatter(x, axis_name, scatter_dimension=scatter_dimension, tiled=tiled)
+
+
+def _explicit_axes_left_automatic() -> bool:
+    mesh = jax.sharding.get_abstract_mesh()
+    return any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+
+
+def _group_size(axis_name) -> int:
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    return math.prod(lax.axis_size(name) for name in names)
+
+
+def _all_gather_by_all_to_all(x, axis_name, axis: int, tiled: bool) -> jax.Array:
+    """All-gather as an all-to-all of ``n`` copies (the same bytes per device as
+    a ring all-gather); its transpose is an all-to-all and a sum, not JAX's
+    ``psum_scatter``."""
+    n = _group_size(axis_name)
+    copies = jnp.broadcast_to(jnp.expand_dims(x, axis), x.shape[:axis] + (n,) + x.shape[axis:])
+    gathered = lax.all_to_all(copies, axis_name, axis, axis)   # dim axis: position j's x
+    if tiled:
+        return gathered.reshape(x.shape[:axis] + (n * x.shape[axis],) + x.shape[axis + 1:])
+    return gathered
+
+
+def _reduce_scatter_by_all_to_all(x, axis_name, dim: int, tiled: bool) -> jax.Array:
+    n = _group_size(axis_name)
+    if tiled:   # [.., n*k, ..] -> [.., n, k, ..]: chunk j goes to position j
+        x = x.reshape(x.shape[:dim] + (n, x.shape[dim] // n) + x.shape[dim + 1:])
+    received = lax.all_to_all(x, axis_name, dim, dim)   # dim j: position j's chunk for me
+    return received.sum(dim).astype(x.dtype)
 
 
 ALL_GATHER = register(Kernel(
