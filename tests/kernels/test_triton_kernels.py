@@ -8,6 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from tests._extras import require_extra
+
+require_extra("triton", "triton")
 from jax import lax
 
 import nxops as nx
