@@ -90,3 +90,17 @@ def test_install_hint_is_a_runnable_pip_command():
     assert words[:2] == ['pip', 'install'] and len(words) > 2
     # Either the extra's own requirements, or the checkout with the extra.
     assert all('triton' in w for w in words[2:] if w != '-e'), words
+
+
+def test_export_with_a_symbolic_size_over_a_mesh_axis_suggests_a_multiple():
+    f = nx.xmap(lambda x: x * 2, [['batch', ...]], ['batch', ...], axis_resources={'batch': 'x'})
+    b, = jax.export.symbolic_shape("b")
+    with jax.set_mesh(jax.make_mesh((8,), ('x',))):
+        with pytest.raises(nx.NxopsError) as info:
+            nx.export(f, jax.ShapeDtypeStruct((b, 3), jnp.float32), platforms=("cpu",))
+        assert "declared as a multiple of 8" in str(info.value)
+        assert "jax.export.symbolic_shape('8*b, ...')" in str(info.value)
+        # The suggested declaration exports.
+        shape = jax.export.symbolic_shape("8*b, 3")
+        exported = nx.export(f, jax.ShapeDtypeStruct(shape, jnp.float32), platforms=("cpu",))
+    assert str(exported.in_avals[0].shape) == "(8*b, 3)"
