@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 
 from tests._extras import require_extra
 
 require_extra("triton", "triton")
-from jax import lax
 
 import nxops as nx
 from nxops.kernels.triton import dot_general as triton_dot

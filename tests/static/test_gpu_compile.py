@@ -6,11 +6,11 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tests._extras import require_extra
 
 require_extra("compile", "jax_cuda12_plugin", "nvidia.cuda_nvcc")
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 import nxops as nx
 from bench.static import gpu
