@@ -104,3 +104,11 @@ def test_export_with_a_symbolic_size_over_a_mesh_axis_suggests_a_multiple():
         shape = jax.export.symbolic_shape("8*b, 3")
         exported = nx.export(f, jax.ShapeDtypeStruct(shape, jnp.float32), platforms=("cpu",))
     assert str(exported.in_avals[0].shape) == "(8*b, 3)"
+
+
+def test_a_list_of_out_axes_specs_fits_a_body_returning_a_list():
+    f = nx.xmap(lambda x: [x * 2, nx.sum(x, 'batch')], in_axes=[['batch', ...]],
+                out_axes=[['batch', ...], [...]])
+    doubled, total = f(jnp.arange(8.))
+    np.testing.assert_array_equal(np.asarray(doubled), 2 * np.arange(8.))
+    np.testing.assert_array_equal(np.asarray(total), np.arange(8.).sum())

@@ -141,6 +141,10 @@ def broadcast_specs(parsed_tree: Any, values: Any, what: str, user_tree: Any) ->
     """One ``AxisSpec`` per leaf of ``values`` (``parsed_tree`` is a prefix of it)."""
     if isinstance(parsed_tree, AxisSpec):
         return [parsed_tree] * len(jax.tree.leaves(values))
+    if type(parsed_tree) is tuple and type(values) is list and len(values) == len(parsed_tree):
+        # A top-level list of specs was read as a tuple (one spec per result); a
+        # body returning a list of results takes it too (leaf order is the same).
+        values = tuple(values)
     try:
         per_subtree = jax.tree.map(
             lambda spec, sub: [spec] * len(jax.tree.leaves(sub)), parsed_tree, values,
