@@ -21,6 +21,13 @@ ACCELERATOR_ONLY_SIZES = ("large",)
 INTERPRETED_SIZES = ("small",)
 
 
+def interpreted(backend: str, platform: str) -> bool:
+    """Whether ``backend``'s kernels run in an interpreter on ``platform``
+    (Pallas interpret mode, Triton's interpreter): correct, but their times
+    say nothing about the hardware they are written for."""
+    return platform == "cpu" and backend in ("pallas", "triton")
+
+
 def skip_reason(op: str, backend: str, size: str, platform: str, avals=(),
                 params=None) -> str | None:
     """Why ``backend`` cannot run the kernel ``op`` (with ``avals`` and

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench import _peaks
+from bench._backends import interpreted
 from bench._peaks import Peak
 from nxops.kernels import _tolerances
 
@@ -74,8 +76,11 @@ def measure(benchmark, fn: Callable, *args, work: Work | None, peak: Peak, dtype
 
     benchmark.group = group
     benchmark.extra_info.update(info)
+    platform = info.get("platform") or _peaks.platform()
     benchmark.extra_info.update(dtype=jnp.dtype(dtype).name, device=peak.device,
-                                peak_source=peak.source)
+                                peak_source=peak.source, peak=dataclasses.asdict(peak),
+                                platform=platform,
+                                interpreted=interpreted(info.get("backend", ""), platform))
     if work is not None:
         benchmark.extra_info.update(bytes=work.bytes_moved, flops=work.flops)
     if rounds is None:

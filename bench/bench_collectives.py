@@ -26,7 +26,8 @@ import nxops as nx
 from nxops import hlo
 # nxops.kernels.pallas does not import its collectives (yet): register them here.
 from nxops.kernels.pallas import collectives as _pallas_collectives  # noqa: F401
-from bench._backends import BASELINE, IMPLEMENTATIONS, compile_for, skip_reason
+from bench import _peaks
+from bench._backends import BASELINE, IMPLEMENTATIONS, compile_for, interpreted, skip_reason
 from bench._measure import Work, assert_close, measure
 
 COLUMNS = 128
@@ -40,6 +41,12 @@ COLLECTIVES = ("all_gather", "reduce_scatter")
 def mesh_devices():
     devices = jax.devices()
     return devices if len(devices) > 1 else jax.devices("cpu")
+
+
+def mesh_platform() -> str:
+    """The platform the collectives run on (simulated CPU devices when there
+    are fewer than two accelerators)."""
+    return "cpu" if mesh_devices()[0].platform == "cpu" else _peaks.platform()
 
 
 def baseline(collective: str):
@@ -73,7 +80,8 @@ def cases():
         for dtype in DTYPES:
             for size in SHARD_ROWS:
                 for impl in IMPLEMENTATIONS:
-                    quick = size == "small" and dtype == jnp.float32
+                    quick = (size == "small" and dtype == jnp.float32
+                             and not interpreted(impl, mesh_platform()))
                     yield pytest.param(collective, dtype, size, impl,
                                        id=f"{collective}-{jnp.dtype(dtype).name}-{size}-{impl}",
                                        marks=[pytest.mark.quick] if quick else [])
@@ -83,7 +91,7 @@ def cases():
 def test_collective(benchmark, peak, platform, collective, dtype, size, impl):
     devices = mesh_devices()
     n = len(devices)
-    platform = "cpu" if devices[0].platform == "cpu" else platform
+    platform = mesh_platform()
     rows = SHARD_ROWS[size]
     # The per-device operand: a shard for all_gather, n shards for reduce_scatter.
     local_rows = rows if collective == "all_gather" else n * rows
@@ -111,7 +119,7 @@ def test_collective(benchmark, peak, platform, collective, dtype, size, impl):
     ring_bound = (n - 1) * shard_bytes
     no_interconnect_peak = dataclasses.replace(peak, hbm_gbps=None,
                                                source="interconnect peaks not tabulated")
-    info = dict(op=f"{collective} over {n} devices", backend=impl,
+    info = dict(op=f"{collective} over {n} devices", backend=impl, platform=platform,
                 size=f"{size} {shard_bytes // 1024} KiB/shard", baseline=impl == BASELINE,
                 ring_bound_bytes=ring_bound, **traffic_info(compiled, ring_bound))
     result = measure(benchmark, compiled, x, work=Work(bytes_moved=ring_bound),

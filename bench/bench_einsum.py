@@ -14,7 +14,8 @@ import pytest
 from jax import lax
 
 import nxops as nx
-from bench._backends import BASELINE, IMPLEMENTATIONS, compile_for, skip_reason
+from bench import _peaks
+from bench._backends import BASELINE, IMPLEMENTATIONS, compile_for, interpreted, skip_reason
 from bench._measure import Work, assert_close, measure, nbytes
 
 DTYPES = (jnp.float32, jnp.bfloat16)
@@ -65,7 +66,8 @@ def cases():
         for dtype in DTYPES:
             for size in MATMUL_SHAPES:
                 for impl in IMPLEMENTATIONS:
-                    quick = name in ("matmul", "einsum-named") and size == "small"
+                    quick = (name in ("matmul", "einsum-named") and size == "small"
+                             and not interpreted(impl, _peaks.platform()))
                     yield pytest.param(name, dtype, size, impl,
                                        id=f"{name}-{jnp.dtype(dtype).name}-{size}-{impl}",
                                        marks=[pytest.mark.quick] if quick else [])

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import pytest
 
 import nxops as nx
-from bench._backends import BASELINE, IMPLEMENTATIONS, compile_for, skip_reason
+from bench import _peaks
+from bench._backends import BASELINE, IMPLEMENTATIONS, compile_for, interpreted, skip_reason
 from bench._measure import Work, assert_close, measure, nbytes
 
 OPS = ("sum", "max", "logsumexp", "mean")
@@ -45,10 +46,14 @@ def cases():
             for dtype in DTYPES:
                 for size in SHAPES:
                     for impl in IMPLEMENTATIONS:
-                        # Quick: sum and logsumexp at the small size, and one
-                        # sum too large for the caches (the memory-bound case).
-                        quick = ((op in ("sum", "logsumexp") and size == "small")
-                                 or (op, variant, dtype, size) == ("sum", "positional", jnp.float32, "medium"))
+                        # Quick: sum (f32, bf16) and logsumexp (f32) at the small
+                        # size, and one sum too large for the caches (the
+                        # memory-bound case); no interpreted kernels (their times
+                        # say nothing about the hardware).
+                        quick = (((op, dtype) in (("sum", jnp.float32), ("sum", jnp.bfloat16),
+                                                  ("logsumexp", jnp.float32)) and size == "small")
+                                 or (op, variant, dtype, size) == ("sum", "positional", jnp.float32, "medium")
+                                 ) and not interpreted(impl, _peaks.platform())
                         yield pytest.param(op, variant, dtype, size, impl,
                                            id=f"{op}-{variant}-{jnp.dtype(dtype).name}-{size}-{impl}",
                                            marks=[pytest.mark.quick] if quick else [])

@@ -2,6 +2,11 @@
 # Runs the whole test suite (with the deviceless GPU/TPU compile and Triton
 # interpreter checks), then every benchmark once, untimed, on CPU (so
 # benchmark code cannot rot; each benchmark also checks its result).
+# With arguments, runs only what they select, as pytest would
+# (`bash ci/test.sh tests/xmap -x`), and no benchmarks.
 NXOPS_EXTRAS=test,compile,triton source "$(dirname "$0")/_venv.sh"
-python -m pytest tests -q "$@"
+if [ "$#" -gt 0 ]; then
+  exec python -m pytest -q "$@"
+fi
+python -m pytest tests -q
 python -m pytest bench -q --benchmark-disable

@@ -24,18 +24,19 @@ import jax.numpy as jnp
 
 from nxops.ops import axis_index
 from nxops.ops._axis_env import as_name_tuple, current_logical_axes
+from nxops._typing import ArrayLike, DTypeLike
 
 __all__ = ["bernoulli", "bits", "fold_in_names", "key_here", "normal", "uniform"]
 
 
-def fold_in_names(key, *names: str):
+def fold_in_names(key: jax.Array, *names: str) -> jax.Array:
     """``key`` folded with this position along each of ``names``, in order."""
     for name in names:
         key = jax.random.fold_in(key, axis_index(name))
     return key
 
 
-def key_here(key, names: str | Sequence[str] | None = None):
+def key_here(key: jax.Array, names: str | Sequence[str] | None = None) -> jax.Array:
     """``key`` for this position along ``names`` (default: every logical name
     bound by the enclosing ``nx.xmap`` bodies, in sorted order)."""
     if names is None:
@@ -43,21 +44,26 @@ def key_here(key, names: str | Sequence[str] | None = None):
     return fold_in_names(key, *as_name_tuple(names))
 
 
-def uniform(key, shape=(), dtype=jnp.float32, minval=0.0, maxval=1.0, *, names=None):
+def uniform(key: jax.Array, shape: Sequence[int] = (), dtype: DTypeLike = jnp.float32,
+            minval: ArrayLike = 0.0, maxval: ArrayLike = 1.0, *,
+            names: str | Sequence[str] | None = None) -> jax.Array:
     """``jax.random.uniform`` with different numbers at each named position."""
     return jax.random.uniform(key_here(key, names), shape, dtype, minval, maxval)
 
 
-def normal(key, shape=(), dtype=jnp.float32, *, names=None):
+def normal(key: jax.Array, shape: Sequence[int] = (), dtype: DTypeLike = jnp.float32, *,
+           names: str | Sequence[str] | None = None) -> jax.Array:
     """``jax.random.normal`` with different numbers at each named position."""
     return jax.random.normal(key_here(key, names), shape, dtype)
 
 
-def bits(key, shape=(), dtype=jnp.uint32, *, names=None):
+def bits(key: jax.Array, shape: Sequence[int] = (), dtype: DTypeLike = jnp.uint32, *,
+         names: str | Sequence[str] | None = None) -> jax.Array:
     """``jax.random.bits`` with different bits at each named position."""
     return jax.random.bits(key_here(key, names), shape, dtype)
 
 
-def bernoulli(key, p=0.5, shape=None, *, names=None):
+def bernoulli(key: jax.Array, p: ArrayLike = 0.5, shape: Sequence[int] | None = None, *,
+              names: str | Sequence[str] | None = None) -> jax.Array:
     """``jax.random.bernoulli`` with different draws at each named position."""
     return jax.random.bernoulli(key_here(key, names), p, shape)

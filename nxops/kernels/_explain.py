@@ -7,6 +7,7 @@ from typing import Any, Callable
 import jax
 from jax.extend import core as jex_core
 
+from nxops._errors import NxopsError
 from nxops.kernels import _registry
 
 
@@ -29,11 +30,27 @@ class Explanation:
         head = f"nxops kernels on {self.platform} (NXOPS_KERNELS={self.selection}):"
         if not self.reports:
             return head + "\n  (no nxops kernel ops in this program)"
-        rows = [f"  {'op':<15} {'operands':<40} {'kernel':<20} why"]
-        rows += [f"  {r}" for r in self.reports]
+        table = [("op", "operands", "kernel", "why")]
+        table += [(r.op, r.operands, r.choice.kernel.name, r.choice.describe()) for r in self.reports]
+        # Columns as wide as their longest entry (operand lists can be long).
+        widths = [max(len(row[i]) for row in table) for i in range(3)]
+        rows = ["  " + " ".join([*(c.ljust(w) for c, w in zip(row, widths)), row[3]]).rstrip()
+                for row in table]
         kernels = {r.choice.kernel.name: r.choice.kernel.description for r in self.reports}
         legend = [f"  {name}: {text}" for name, text in kernels.items() if text]
         return "\n".join([head, *rows, *(["kernels:", *legend] if legend else [])])
+
+
+def _platform_name(platform: str) -> str:
+    """The registry's name for ``platform``: JAX says "gpu" for CUDA devices
+    (``jax.default_backend()`` on an NVIDIA machine), the registry "cuda"."""
+    name = str(platform).lower()
+    name = "cuda" if name == "gpu" else name
+    if name not in _registry.PLATFORMS:
+        raise NxopsError(
+            f"nx.kernels.explain: unknown platform {platform!r}. Use one of "
+            f"{', '.join(map(repr, _registry.PLATFORMS))} ('gpu' means 'cuda').")
+    return name
 
 
 def explain(fn: Callable[..., Any], *args: Any, platform: str | None = None,
@@ -41,10 +58,10 @@ def explain(fn: Callable[..., Any], *args: Any, platform: str | None = None,
     """Traces and lowers ``fn(*args, **kwargs)`` for ``platform`` (default: the
     default backend) and reports the kernel chosen for each nxops op.
 
-    Lowering for another platform works on CPU, so ``platform="cuda"`` or
-    ``"tpu"`` shows what would run there. Nothing is executed.
+    Lowering for another platform works on CPU, so ``platform="cuda"`` (or
+    ``"gpu"``) or ``"tpu"`` shows what would run there. Nothing is executed.
     """
-    platform = platform or jax.default_backend()
+    platform = _platform_name(platform or jax.default_backend())
     with _registry.collect_reports(platform) as reports:
         closed = jax.make_jaxpr(fn)(*args, **kwargs)
         # A fresh function object, so that no cached lowering skips the rules.

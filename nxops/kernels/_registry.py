@@ -147,20 +147,33 @@ class Selection:
         return ",".join(f"{f}={b}" for f, b in self.per_family)
 
 
-def _selection_error(value: str, why: str) -> NxopsError:
+def _selection_error(value: str, why: str, where: str = "NXOPS_KERNELS") -> NxopsError:
+    given = f"{where}={value!r}" if where == "NXOPS_KERNELS" else f"{where}({value!r})"
     return NxopsError(
-        f"invalid kernel selection NXOPS_KERNELS={value!r}: {why}. Valid values: one of "
+        f"invalid kernel selection {given}: {why}. Valid values: one of "
         f"{', '.join(CHOICES)} for every op, or a comma-separated list of "
         f"op=backend with op in {{{', '.join(FAMILIES)}}} and backend in "
         f"{{{', '.join(CHOICES)}}}, e.g. 'reduce=pallas,einsum=xla' (unlisted ops use auto)."
     )
 
 
+def _not_a_backend(word: str) -> str:
+    """Why ``word`` is not a backend, with the fix when it is a platform name."""
+    if word in PLATFORMS or word == "gpu":
+        platform = "cuda" if word == "gpu" else word
+        return (f"{word!r} is a platform, not a kernel backend: the platform comes from the "
+                f"devices (or explain's platform=); the backend says which implementation "
+                f"runs there. See what runs on {platform} with "
+                f"nx.kernels.explain(fn, *args, platform={platform!r})")
+    return f"{word!r} is neither a backend nor op=backend"
+
+
 @functools.lru_cache(maxsize=64)
-def parse_selection(value: str) -> Selection:
-    """Parses an ``NXOPS_KERNELS`` value; raises NxopsError naming the bad part."""
+def parse_selection(value: str, where: str = "NXOPS_KERNELS") -> Selection:
+    """Parses an ``NXOPS_KERNELS`` value; raises NxopsError naming the bad part
+    (and ``where`` it came from: the variable, or ``nx.kernels.use``)."""
     if not isinstance(value, str):
-        raise _selection_error(repr(value), "it must be a string")
+        raise _selection_error(repr(value), "it must be a string", where)
     text = value.strip().lower() or "auto"   # NXOPS_KERNELS= (set but empty) means auto
     if text in CHOICES:
         return Selection(tuple((f, text) for f in FAMILIES))
@@ -168,13 +181,16 @@ def parse_selection(value: str) -> Selection:
     for part in text.split(","):
         family, eq, backend = (s.strip() for s in part.partition("="))
         if not eq:
-            raise _selection_error(value, f"{part.strip()!r} is neither a backend nor op=backend")
+            raise _selection_error(value, _not_a_backend(part.strip()), where)
         if family not in FAMILIES:
-            raise _selection_error(value, f"unknown op {family!r}")
+            raise _selection_error(value, f"unknown op {family!r}", where)
         if backend not in CHOICES:
-            raise _selection_error(value, f"unknown backend {backend!r} for {family}")
+            why = f"unknown backend {backend!r} for {family}"
+            if backend in PLATFORMS or backend == "gpu":
+                why += f" ({_not_a_backend(backend)})"
+            raise _selection_error(value, why, where)
         if family in chosen:
-            raise _selection_error(value, f"op {family!r} is given twice")
+            raise _selection_error(value, f"op {family!r} is given twice", where)
         chosen[family] = backend
     return Selection(tuple((f, chosen.get(f, "auto")) for f in FAMILIES))
 
@@ -208,7 +224,7 @@ def use(selection: str) -> Iterator[Selection]:
     Takes the same values as ``NXOPS_KERNELS``. Functions jitted inside the
     block are traced and compiled for this selection.
     """
-    parsed = parse_selection(selection)
+    parsed = parse_selection(selection, "nx.kernels.use")
     with _SELECTION_STATE(selection):
         yield parsed
 

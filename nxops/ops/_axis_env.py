@@ -14,6 +14,7 @@ collective).
 from __future__ import annotations
 
 import contextlib
+import difflib
 import contextvars
 import dataclasses
 from typing import Callable, Iterator, Sequence
@@ -142,13 +143,26 @@ def split_vmap_and_mesh(physical: Sequence[str], *, op: str) -> tuple[tuple[str,
         elif env.axis_exists(name):
             vmap_names.append(name)
         else:
-            bound = sorted(set(map(str, env.axis_sizes)) | set(map(str, _LOGICAL_AXES.get())))
+            bound = user_visible_axis_names(env.axis_sizes)
+            close = difflib.get_close_matches(str(name), bound, n=1)
             raise NxopsError(
                 f"{op}: axis name {name!r} is not bound here (bound names: "
-                f"{', '.join(bound) or 'none'}). Named axes exist inside nx.xmap, "
+                f"{', '.join(bound) or 'none'}).{f' Did you mean {close[0]!r}?' if close else ''}"
+                f" Named axes exist inside nx.xmap, "
                 f"jax.vmap(..., axis_name=...) and jax.shard_map bodies; use an int "
                 f"for a positional axis.")
     return tuple(vmap_names), tuple(mesh_names)
+
+
+def user_visible_axis_names(bound_axes) -> list[str]:
+    """The names a user may pass to an op here, for messages: xmap's logical
+    names, mesh axes and the user's own vmap/shard_map names; not the
+    physical names nx.xmap makes up for its local vmap tiles."""
+    logical = _LOGICAL_AXES.get()
+    mesh_axes = set(jax.sharding.get_abstract_mesh().axis_names)
+    made_up = {p for axis in logical.values() for p in axis.physical
+               if p not in logical and p not in mesh_axes}
+    return sorted((set(map(str, bound_axes)) | set(map(str, logical))) - made_up)
 
 
 def physical_axis_size(name: str) -> int:

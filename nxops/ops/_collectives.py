@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +27,7 @@ from nxops import kernels as _kernels
 from nxops.ops import _axis_env, _fusion
 from nxops.kernels.xla import tile as xla_tile
 from nxops.ops._primitive import kernel_primitive, selection_param
+from nxops._typing import ArrayLike, AxisNames, DTypeLike, Tiling
 
 
 def _physical(axis_name, op: str, *, allow_loop=False):
@@ -159,7 +160,8 @@ def _along_vmap_names(x, kind, vmap_names, dim):
     return x
 
 
-def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False):
+def all_gather(x: ArrayLike, axis_name: AxisNames, *, axis: int = 0,
+               tiled: bool = False) -> jax.Array:
     """Gathers ``x`` along named ``axis_name`` (``lax.all_gather``'s semantics).
 
     Over mesh axes it is one all-gather (never an all-reduce of a padded
@@ -191,7 +193,8 @@ def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False):
     return x
 
 
-def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = False):
+def psum_scatter(x: ArrayLike, axis_name: AxisNames, *, scatter_dimension: int = 0,
+                 tiled: bool = False) -> jax.Array:
     """Sums ``x`` over ``axis_name`` and scatters the result along
     ``scatter_dimension`` (``lax.psum_scatter``'s semantics): one
     reduce-scatter over mesh axes."""
@@ -219,7 +222,8 @@ def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fals
     return x if tiled else jnp.squeeze(x, dim)
 
 
-def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, tiled: bool = False):
+def all_to_all(x: ArrayLike, axis_name: AxisNames, split_axis: int, concat_axis: int, *,
+               tiled: bool = False) -> jax.Array:
     """``lax.all_to_all`` over named ``axis_name`` (one all-to-all over mesh
     axes). Negative axes count from the end, as in ``lax``."""
     x = jnp.asarray(x)
@@ -263,7 +267,8 @@ def _one_or_tuple(names: tuple):
     return names if len(names) > 1 else names[0]
 
 
-def ppermute(x, axis_name, perm):
+def ppermute(x: ArrayLike, axis_name: AxisNames,
+             perm: Sequence[tuple[int, int]]) -> jax.Array:
     """``lax.ppermute`` over named ``axis_name``: ``perm`` pairs (source, destination)
     positions along the (logical) axis; positions no pair sends to get zeros."""
     x = jnp.asarray(x)
@@ -312,7 +317,7 @@ def _position_parts(axis_name, op: str):
     return _axis_env.position_parts(names, op=op)
 
 
-def axis_index(axis_name):
+def axis_index(axis_name: AxisNames) -> jax.Array:
     """This position along named ``axis_name``: global, whatever carries it
     (mesh axes, serial loops, the vmap tile; names in a tuple major to minor)."""
     parts = _position_parts(axis_name, "nx.axis_index")
@@ -326,12 +331,13 @@ def axis_index(axis_name):
     return index
 
 
-def axis_size(axis_name) -> int:
+def axis_size(axis_name: AxisNames) -> int:
     """The size of named ``axis_name`` (a static int, loops included)."""
     return math.prod(p.size for p in _position_parts(axis_name, "nx.axis_size"))
 
 
-def one_hot(x, num_classes: int | None = None, *, axis=-1, dtype=jnp.float32):
+def one_hot(x: ArrayLike, num_classes: int | None = None, *, axis: int | AxisNames = -1,
+            dtype: DTypeLike = jnp.float32) -> jax.Array:
     """``jax.nn.one_hot``, where ``axis`` may be a name: the result then varies
     along that named axis (``x == axis_index(axis)``), as in the old xmap."""
     if isinstance(axis, int):
@@ -406,7 +412,7 @@ def _tile_as_reduce_scatter(x, mesh_names: tuple, dim: int):
     return psum_scatter(partial, mesh_names, scatter_dimension=dim, tiled=True)
 
 
-def tile(x, axes: Mapping):
+def tile(x: ArrayLike, axes: Tiling) -> jax.Array:
     """This position's tile of ``x`` (replicated over the names) along each
     ``{name: dim}``: ``x`` split into ``axis_size(name)`` equal tiles along
     ``dim``. No communication: the inverse of ``untile``."""
@@ -439,7 +445,7 @@ def tile(x, axes: Mapping):
     return x
 
 
-def untile(x, axes: Mapping):
+def untile(x: ArrayLike, axes: Tiling) -> jax.Array:
     """Gathers the tiles of ``x`` along each ``{name: dim}`` (one all-gather per
     name over its mesh axes; local work for vmapped names). The result is
     replicated over the names: the inverse of ``tile``."""

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import jax
 import jax.numpy as jnp
 import opt_einsum
 from jax import lax
+from jax.lax import PrecisionLike
 
 from nxops._errors import NxopsError
 from nxops.ops import _axis_env, _fusion
@@ -22,6 +24,7 @@ from nxops.ops._dot import bind_dot_general
 from nxops.ops._einsum_spec import ELLIPSIS, EinsumSpec, Term, parse_einsum_spec
 from nxops.ops._primitive import selection_param
 from nxops.ops._reduce import bind_reduce
+from nxops._typing import ArrayLike, AxisNames, DTypeLike, PosDims
 
 
 @dataclasses.dataclass
@@ -213,7 +216,8 @@ def _term_axes(term: Term, resolved) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return vmap_names, mesh_names
 
 
-def einsum(spec: str, *operands, precision=None, preferred_element_type=None):
+def einsum(spec: str, *operands: ArrayLike, precision: PrecisionLike = None,
+           preferred_element_type: DTypeLike | None = None) -> jax.Array:
     """Einsum over positional letters and named axes.
 
     ``spec`` is e.g. ``'n<b,k>,<k,m>->n<b,m>'`` (or xeinsum-style ``{b,k}``):
@@ -266,7 +270,8 @@ def einsum(spec: str, *operands, precision=None, preferred_element_type=None):
     return value
 
 
-def pdot(x, y, axis_name, *, pos_contract=((), ()), pos_batch=((), ()), precision=None):
+def pdot(x: ArrayLike, y: ArrayLike, axis_name: AxisNames, *, pos_contract: PosDims = ((), ()),
+         pos_batch: PosDims = ((), ()), precision: PrecisionLike = None) -> jax.Array:
     """``lax.pdot``: contract ``x`` and ``y`` over named ``axis_name`` (a name or
     tuple) and positional ``pos_contract``, batching over ``pos_batch``.
 

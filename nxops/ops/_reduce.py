@@ -24,6 +24,7 @@ from nxops.kernels.xla import collectives as xla_collectives
 from nxops.ops import _axis_env, _fusion
 from nxops.ops._collectives import _mesh_platform, axis_size
 from nxops.ops._primitive import kernel_primitive, selection_param
+from nxops._typing import ArrayLike, Axis, AxisNames, PyTree
 
 reduce_p = kernel_primitive("nx_reduce", "reduce", xla_reduce.reduce,
                             naming_params=("axis_names",))
@@ -221,32 +222,32 @@ def reduce(x, axis, op: str, *, public_name: str | None = None):
     return _reduce_resolved(x, *_resolve_axes(x, axis, public_name or op), op)
 
 
-def sum(x, axis):  # noqa: A001 - mirrors jnp.sum
+def sum(x: ArrayLike, axis: Axis) -> jax.Array:  # noqa: A001 - mirrors jnp.sum
     """Sum of ``x`` over ``axis``: an int, a name, or a tuple mixing both."""
     return reduce(x, axis, "sum")
 
 
-def max(x, axis):  # noqa: A001
+def max(x: ArrayLike, axis: Axis) -> jax.Array:  # noqa: A001
     """Maximum of ``x`` over ``axis`` (ints and/or names)."""
     return reduce(x, axis, "max")
 
 
-def min(x, axis):  # noqa: A001
+def min(x: ArrayLike, axis: Axis) -> jax.Array:  # noqa: A001
     """Minimum of ``x`` over ``axis`` (ints and/or names)."""
     return reduce(x, axis, "min")
 
 
-def prod(x, axis):
+def prod(x: ArrayLike, axis: Axis) -> jax.Array:
     """Product of ``x`` over ``axis`` (ints and/or names)."""
     return reduce(x, axis, "prod")
 
 
-def logsumexp(x, axis):
+def logsumexp(x: ArrayLike, axis: Axis) -> jax.Array:
     """``log(sum(exp(x)))`` over ``axis``, computed stably (max-shifted)."""
     return reduce(x, axis, "logsumexp")
 
 
-def mean(x, axis):
+def mean(x: ArrayLike, axis: Axis) -> jax.Array:
     """Mean of ``x`` over ``axis`` (ints and/or names); integer inputs give floats, as in jnp."""
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.inexact):
@@ -272,7 +273,7 @@ def _is_static(leaf) -> bool:
     return not isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
 
 
-def psum(x, axis_name):
+def psum(x: PyTree, axis_name: AxisNames) -> PyTree:
     """Sum over named axes (``lax.psum``'s semantics, logical names allowed).
 
     Works on pytrees, like ``lax.psum``. A static value (Python/NumPy) is the
@@ -288,19 +289,19 @@ def psum(x, axis_name):
     return jax.tree_util.tree_map(one, x)
 
 
-def pmax(x, axis_name):
+def pmax(x: PyTree, axis_name: AxisNames) -> PyTree:
     """Maximum over named axes (on pytrees, like ``lax.pmax``)."""
     names = _names_only(axis_name, "pmax")
     return jax.tree_util.tree_map(lambda v: reduce(v, names, "max", public_name="pmax"), x)
 
 
-def pmin(x, axis_name):
+def pmin(x: PyTree, axis_name: AxisNames) -> PyTree:
     """Minimum over named axes (on pytrees, like ``lax.pmin``)."""
     names = _names_only(axis_name, "pmin")
     return jax.tree_util.tree_map(lambda v: reduce(v, names, "min", public_name="pmin"), x)
 
 
-def pmean(x, axis_name):
+def pmean(x: PyTree, axis_name: AxisNames) -> PyTree:
     """Mean over named axes (on pytrees, like ``lax.pmean``)."""
     names = _names_only(axis_name, "pmean")
     return jax.tree_util.tree_map(lambda v: mean(v, names), x)

@@ -131,6 +131,14 @@ def _resolve(name: str, resources: tuple, mesh: Mesh | None,
     return mesh_axes, axis_loops, missing
 
 
+def _symbolic_size_hint(size: Any, total: int) -> str:
+    """A symbolic size (jax.export) is divisible only if it is written as a
+    multiple: say how to write one."""
+    return (f"A symbolic size must be declared as a multiple of {total}: export with "
+            f"{total}*{size} in its place, e.g. jax.export.symbolic_shape('{total}*{size}, ...') "
+            f"or `{size}, = jax.export.symbolic_shape('{size}')` and a dimension of {total} * {size}.")
+
+
 def _vmap_name(name: str, mesh_axes, loops, mesh: Mesh | None) -> str:
     # The logical name itself, so that raw lax.psum(x, name) works in the body,
     # unless a mesh axis or loop also carries the axis (or the name is a mesh axis).
@@ -183,8 +191,9 @@ def plan_axis_resources(sizes: dict[str, int], axis_resources: dict[str, tuple],
             raise NxopsError(
                 f"The size of axis {name!r} ({sizes[name]}) is not divisible by the total "
                 f"size of the resources assigned to it, {_show(resources)} of total size "
-                f"{total}{_mesh_note(mesh, mesh_axes)}. Assign resources whose sizes "
-                f"multiply to a divisor of {sizes[name]}.")
+                f"{total}{_mesh_note(mesh, mesh_axes)}. "
+                + (_symbolic_size_hint(sizes[name], total) if not isinstance(sizes[name], int)
+                   else f"Assign resources whose sizes multiply to a divisor of {sizes[name]}."))
         axes.append(AxisPlan(name, sizes[name], tuple(mesh_axes), tuple(axis_loops),
                              sizes[name] // total, _vmap_name(name, mesh_axes, axis_loops, mesh)))
     if all_missing:

@@ -19,6 +19,7 @@ import contextvars
 from typing import Any, Callable, Iterator, Sequence
 
 from nxops._errors import NxopsError
+from nxops._typing import AxisRules
 
 Rules = tuple[tuple[str, Any], ...]
 
@@ -49,7 +50,7 @@ def check_rules(rules: Any) -> Rules:
 
 
 @contextlib.contextmanager
-def axis_rules(rules: Any) -> Iterator[None]:
+def axis_rules(rules: AxisRules) -> Iterator[None]:
     """Uses ``rules`` for every ``nx.xmap`` called in the block without
     ``axis_resources`` (like flax's ``nn.logical_axis_rules``)."""
     token = _RULES.set(check_rules(rules))

@@ -141,19 +141,74 @@ def broadcast_specs(parsed_tree: Any, values: Any, what: str, user_tree: Any) ->
     """One ``AxisSpec`` per leaf of ``values`` (``parsed_tree`` is a prefix of it)."""
     if isinstance(parsed_tree, AxisSpec):
         return [parsed_tree] * len(jax.tree.leaves(values))
+    if type(parsed_tree) is tuple and type(values) is list and len(values) == len(parsed_tree):
+        # A top-level list of specs was read as a tuple (one spec per result); a
+        # body returning a list of results takes it too (leaf order is the same).
+        values = tuple(values)
     try:
         per_subtree = jax.tree.map(
             lambda spec, sub: [spec] * len(jax.tree.leaves(sub)), parsed_tree, values,
             is_leaf=lambda x: isinstance(x, AxisSpec))
-    except ValueError as e:
+    except ValueError:
         structure = jax.tree.structure(values)
         raise NxopsError(
             f"xmap {what} specification must be a tree prefix of the corresponding "
             f"value, got specification {user_tree!r} for value tree {structure}. "
             f"Give one spec per {'argument' if what == 'in_axes' else 'result'} (or one "
-            f"spec for all). ({e})") from None
+            f"spec for all). ({_prefix_mismatch(parsed_tree, values, what) or 'the trees differ'})"
+        ) from None
     return [spec for group in jax.tree.leaves(per_subtree, is_leaf=lambda x: isinstance(x, list))
             for spec in group]
+
+
+def _prefix_mismatch(spec: Any, value: Any, what: str, path: str = "") -> str:
+    """Where and how ``spec`` stops being a prefix of ``value``, in the user's
+    terms (JAX's own message names tracer classes and "tree_map tree")."""
+    if isinstance(spec, AxisSpec):
+        return ""
+    children = _children(value)
+    spec_children = _children(spec)
+    same_node = (children is not None and spec_children is not None
+                 and type(spec) is type(value)
+                 and [k for k, _ in spec_children] == [k for k, _ in children])
+    if not same_node:
+        where = f"{what}{path}" if path else f"the {what} value"
+        return f"at {where} the spec is {_describe(spec)} but the value is {_describe(value)}"
+    for (key, sub_spec), (_, sub_value) in zip(spec_children, children):
+        found = _prefix_mismatch(sub_spec, sub_value, what, path + key)
+        if found:
+            return found
+    return ""
+
+
+def _children(node: Any) -> list[tuple[str, Any]] | None:
+    """``node``'s pytree children with their key paths, or None for a leaf."""
+    flat = jax.tree_util.default_registry.flatten_one_level(node)
+    if flat is None:
+        return None
+    kids, aux = flat
+    if isinstance(node, dict):
+        keys = [f"[{k!r}]" for k in aux]
+    elif hasattr(node, "_fields"):
+        keys = [f".{f}" for f in node._fields]
+    else:
+        keys = [f"[{i}]" for i in range(len(kids))]
+    return list(zip(keys, kids))
+
+
+def _describe(node: Any) -> str:
+    if node is None:
+        return "None"
+    if isinstance(node, AxisSpec):
+        return f"the spec {node.user_repr}"
+    children = _children(node)
+    if children is None:
+        if hasattr(node, "shape") and hasattr(node, "dtype"):
+            return f"an array of shape {tuple(node.shape)} ({node.dtype})"
+        return f"a {type(node).__name__}"
+    if isinstance(node, dict):
+        return "a dict with keys " + ", ".join(map(repr, node))
+    return f"a {type(node).__name__} of {len(children)}"
 
 
 def _where(path: str) -> str:

@@ -5,7 +5,7 @@ import contextlib
 import contextvars
 import functools
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -15,6 +15,7 @@ from nxops._jax import device_context as _device_context     # what jax.set_mesh
 from nxops._jax import legacy_mesh_context as _legacy_meshes   # what `with mesh:` sets
 from nxops._jax import mesh_lib as _mesh_lib
 from nxops._errors import NxopsError
+from nxops._typing import AxisResources
 from nxops.ops._axis_env import current_logical_axes, current_logical_axes_map, logical_axes
 from nxops.xmap._plan import (Plan, check_shared_resources, mesh_in_scope,
                               normalize_axis_resources, plan_axis_resources)
@@ -96,7 +97,7 @@ class XmapFunction:
         return (f"nx.xmap({getattr(self._fun, '__name__', self._fun)}, "
                 f"in_axes={self._user_in_axes!r}, out_axes={self._user_out_axes!r})")
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
             raise NxopsError("xmapped functions take positional arguments only "
                              f"(got keywords {sorted(kwargs)}).")
@@ -125,7 +126,7 @@ class XmapFunction:
         # Inputs committed to devices other than the mesh's: move them, then retry.
         return jitted(*self._place_on_mesh(args))
 
-    def lower(self, *args) -> jax.stages.Lowered:
+    def lower(self, *args: Any) -> jax.stages.Lowered:
         """Lowers for these arguments (``.compile()``, ``.as_text()``, ...)."""
         return self._jitted().lower(*self._place_on_mesh(args))
 
@@ -290,8 +291,9 @@ def _concrete_mesh_unset() -> bool:
     return current is None or current.empty
 
 
-def xmap(fun: Callable, in_axes: Any, out_axes: Any, *,
-         axis_sizes: dict[str, int] | None = None, axis_resources: Any = None,
+def xmap(fun: Callable[..., Any], in_axes: Any, out_axes: Any, *,
+         axis_sizes: Mapping[str, int] | None = None,
+         axis_resources: AxisResources | None = None,
          donate_argnums: int | Sequence[int] = (), backend: str | None = None) -> XmapFunction:
     """Maps ``fun`` over named axes (the model of the removed ``jax.experimental.maps.xmap``).
 

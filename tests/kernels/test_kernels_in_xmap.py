@@ -5,6 +5,8 @@ import jax
 import numpy as np
 import pytest
 
+from tests._extras import skip_without_triton
+
 import nxops as nx
 
 IN_AXES = [["inputs", "hidden", ...], ["hidden", "classes", ...], ["batch", "inputs", ...],
@@ -33,7 +35,9 @@ def args():
 
 
 @pytest.mark.parametrize("backend, resources",
-                         [("pallas", r) for r in RESOURCES] + [("triton", r) for r in TRITON_RESOURCES],
+                         [("pallas", r) for r in RESOURCES]
+                         + [pytest.param("triton", r, marks=skip_without_triton)
+                            for r in TRITON_RESOURCES],
                          ids=str)
 def test_kernels_match_xla_in_xmap(backend, resources):
     mesh = jax.make_mesh((2, 4), ("x", "y"))
@@ -52,6 +56,7 @@ def test_kernels_match_xla_in_xmap(backend, resources):
     assert report.backends() == {"dot_general": {backend}, "reduce": {backend}}
 
 
+@skip_without_triton
 def test_interpreted_triton_kernels_refuse_auto_partitioned_mesh_axes():
     mesh = jax.make_mesh((2, 4), ("x", "y"))
     loss = nx.xmap(named_loss, IN_AXES, [...], axis_resources={"batch": "x"})   # y is automatic

@@ -6,6 +6,10 @@ import types
 import ml_dtypes
 import numpy as np
 import pytest
+
+from tests._extras import require_extra
+
+require_extra("triton", "triton")
 import triton
 import triton.language as tl
 from triton import knobs

@@ -10,6 +10,10 @@ import numpy as np
 import pytest
 from jax import lax
 
+from tests._extras import require_extra
+
+require_extra("triton", "triton")
+
 import nxops as nx
 from nxops.kernels.triton import dot_general as triton_dot
 from nxops.kernels.triton import reduce as triton_reduce

@@ -8,6 +8,10 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from tests._extras import require_extra
+
+require_extra("compile", "jax_cuda12_plugin", "nvidia.cuda_nvcc")
+
 import nxops as nx
 from bench.static import gpu
 

@@ -6,6 +6,10 @@ reaches XLA's cost model."""
 import jax
 import jax.numpy as jnp
 import pytest
+
+from tests._extras import require_extra
+
+require_extra("compile", "libtpu")
 from jax import lax
 
 import nxops as nx

@@ -7,6 +7,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from tests._extras import require_extra
+
+require_extra("triton", "triton", "jax_triton")
+require_extra("compile", "jax_cuda12_plugin", "nvidia.cuda_nvcc")
+
 import nxops as nx
 from bench.static import gpu
 from nxops.kernels.triton import dot_general as triton_dot

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 
 import functools
 
+from nxops._install import install_command
 from nxops.kernels._layout import cdiv  # noqa: F401  (re-exported)
 from nxops.kernels.pallas._common import (  # noqa: F401  (re-exported)
     FLOAT_DTYPES, next_power_of_2, num_warps_for, too_large_reasons)
@@ -30,7 +31,8 @@ def missing_packages(platform: str) -> list[str]:
     """Why the backend cannot run on ``platform`` for lack of a package
     (triton everywhere; jax-triton to compile on cuda)."""
     if not _importable("triton"):
-        return ["triton is not installed: pip install 'nxops[triton]' (or nxops[gpu])"]
+        return [f"triton is not installed: {install_command('triton')} (nxops' triton extra)"]
     if platform == "cuda" and not _importable("jax_triton"):
-        return ["jax-triton is not installed: pip install 'nxops[gpu]'"]
+        return [f"jax-triton is not installed: {install_command('triton')} "
+                "(nxops' triton extra)"]
     return []
