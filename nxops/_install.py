@@ -24,9 +24,20 @@ def _extra_requirements(extra: str) -> list[str]:
             if ";" in req and marker.search(req.split(";", 1)[1])]
 
 
+def _extra_for_this_jax(extra: str) -> str:
+    """``triton`` -> ``triton-jax012`` under JAX 0.12: the per-JAX extra whose
+    requirements fit the running JAX (the plain name picks by Python version)."""
+    import jax  # noqa: PLC0415
+
+    minor = jax.__version__.split(".")[1]
+    specific = f"{extra}-jax0{minor}"
+    return specific if _extra_requirements(specific) else extra
+
+
 @functools.cache
 def install_command(extra: str) -> str:
     """A shell command, runnable as printed, that installs nxops' ``extra``."""
+    extra = _extra_for_this_jax(extra)
     requirements = _extra_requirements(extra)
     if requirements:
         return "pip install " + " ".join(f"'{req}'" for req in requirements)
