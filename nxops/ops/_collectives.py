@@ -25,6 +25,7 @@ from nxops._jax import mesh_lib as _mesh
 from nxops._errors import NxopsError
 from nxops import kernels as _kernels
 from nxops.ops import _axis_env, _fusion
+from nxops.kernels.xla import collectives as xla_collectives
 from nxops.kernels.xla import tile as xla_tile
 from nxops.ops._primitive import kernel_primitive, selection_param
 
@@ -378,7 +379,8 @@ def _tile_transpose(ct, x, index, *, dim, count, kernels):
     ct_x = lax.dynamic_update_slice_in_dim(zeros, ct, index * size, dim)
     # x was replicated over the mesh axes the index varies over: sum the tiles.
     extra = tuple(jax.typeof(ct_x).manual_axis_type.varying - x.aval.manual_axis_type.varying)
-    return (lax.psum(ct_x, extra) if extra else ct_x), None
+    summed = xla_collectives.psum(ct_x, extra, platform=_mesh_platform()) if extra else ct_x
+    return summed, None
 
 
 ad.primitive_jvps[tile_p] = _tile_jvp

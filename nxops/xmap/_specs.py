@@ -141,9 +141,11 @@ def broadcast_specs(parsed_tree: Any, values: Any, what: str, user_tree: Any) ->
     """One ``AxisSpec`` per leaf of ``values`` (``parsed_tree`` is a prefix of it)."""
     if isinstance(parsed_tree, AxisSpec):
         return [parsed_tree] * len(jax.tree.leaves(values))
+    if isinstance(parsed_tree, tuple) and isinstance(values, list):
+        values = tuple(values)   # a top-level list of specs was made a tuple (parse_spec_tree)
     try:
         per_subtree = jax.tree.map(
-            lambda spec, sub: [spec] * len(jax.tree.leaves(sub)), parsed_tree, values,
+            lambda spec, sub: _SpecGroup([spec] * len(jax.tree.leaves(sub))), parsed_tree, values,
             is_leaf=lambda x: isinstance(x, AxisSpec))
     except ValueError as e:
         structure = jax.tree.structure(values)
@@ -152,8 +154,13 @@ def broadcast_specs(parsed_tree: Any, values: Any, what: str, user_tree: Any) ->
             f"value, got specification {user_tree!r} for value tree {structure}. "
             f"Give one spec per {'argument' if what == 'in_axes' else 'result'} (or one "
             f"spec for all). ({e})") from None
-    return [spec for group in jax.tree.leaves(per_subtree, is_leaf=lambda x: isinstance(x, list))
+    return [spec for group in jax.tree.leaves(per_subtree, is_leaf=lambda x: isinstance(x, _SpecGroup))
             for spec in group]
+
+
+class _SpecGroup(list):
+    """The specs of one subtree's leaves: not a pytree node (unlike a list of
+    specs the user gave for a list argument), so flattening stops at it."""
 
 
 def _where(path: str) -> str:

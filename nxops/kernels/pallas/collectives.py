@@ -199,7 +199,7 @@ def all_gather(x: jax.Array, axis_name, *, axis: int, tiled: bool, platform: str
     axis_name = _one_axis(axis_name)
     axis = _normalize_axis(axis, x.ndim if tiled else x.ndim + 1)
     if lax.axis_size(axis_name) == 1:  # nothing to move
-        return xla_collectives.all_gather(x, axis_name, axis=axis, tiled=tiled)
+        return xla_collectives.all_gather(x, axis_name, axis=axis, tiled=tiled, platform=platform)
     return _collective(_varying(x, axis_name), "all_gather", axis_name, axis, tiled, platform)
 
 
@@ -283,7 +283,8 @@ def reduce_scatter(x: jax.Array, axis_name, *, scatter_dimension: int, tiled: bo
     n = lax.axis_size(axis_name)
     d = _normalize_axis(scatter_dimension, x.ndim)
     if n == 1:  # nothing to move
-        return xla_collectives.reduce_scatter(x, axis_name, scatter_dimension=d, tiled=tiled)
+        return xla_collectives.reduce_scatter(x, axis_name, scatter_dimension=d, tiled=tiled,
+                                              platform=platform)
     if x.shape[d] % n or (not tiled and x.shape[d] != n):
         want = f"a multiple of {n}" if tiled else f"equal to {n}"
         raise ValueError(f"reduce_scatter: dimension {d} of {x.shape} must be {want}")
@@ -325,12 +326,12 @@ def _reduce_scatter_call(x, axis_name: str, d: int, tiled: bool, platform: str):
 _CALLS = {"all_gather": _all_gather_call, "reduce_scatter": _reduce_scatter_call}
 
 
-def _reference(op: str, axis_name: str, dim: int, tiled: bool):
+def _reference(op: str, axis_name: str, dim: int, tiled: bool, platform: str):
     if op == "all_gather":
         return functools.partial(xla_collectives.all_gather, axis_name=axis_name, axis=dim,
-                                 tiled=tiled)
+                                 tiled=tiled, platform=platform)
     return functools.partial(xla_collectives.reduce_scatter, axis_name=axis_name,
-                             scatter_dimension=dim, tiled=tiled)
+                             scatter_dimension=dim, tiled=tiled, platform=platform)
 
 
 @functools.lru_cache(maxsize=256)
@@ -362,8 +363,7 @@ def _collective_fwd(x, op, axis_name, dim, tiled, platform):
 
 
 def _collective_bwd(op, axis_name, dim, tiled, platform, x, ct):
-    del platform
-    _, transpose = jax.vjp(_reference(op, axis_name, dim, tiled), x)
+    _, transpose = jax.vjp(_reference(op, axis_name, dim, tiled, platform), x)
     return transpose(ct)
 
 

@@ -1,0 +1,72 @@
+"""Regression tests of issue 20's crashes and raw errors: each runs the
+reported program (``files/<name>``) unchanged and checks what it prints."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nxops as nx
+from tests.repros._run import printed_lines
+
+
+def _lines(value) -> list[str]:
+    """How ``print(value)`` shows an array, line by line (stripped, as printed_lines)."""
+    return [line.strip() for line in str(np.asarray(value)).splitlines() if line.strip()]
+
+
+# --- p02: a list of specs for a list argument ---------------------------------
+
+
+def test_p02_list_of_specs_for_a_list_argument():
+    ones = np.ones(4, np.float32)
+    assert printed_lines("p02_list_spec_container.py") == [
+        "[" + ", ".join([repr(jnp.asarray(ones))] * 3) + "]"]
+
+
+# --- s01, r15: bf16 Pallas matmuls in interpret mode ---------------------------
+
+
+def test_s01_bf16_pallas_matmul_under_float32_precision():
+    assert printed_lines("s01_bf16_pallas_matmul_precision.py") == [
+        "float32 pallas ok", "bfloat16 pallas ok"]
+
+
+def test_r15_pallas_bf16_dot_transposed_operand():
+    assert printed_lines("r15_pallas_bf16_dot.py") == ["(17, 8)", "(17, 8)"]
+
+
+@pytest.mark.parametrize("spec", ["ij,jk->ik", "ji,jk->ik"])
+def test_pallas_bf16_matmul_in_interpret_mode_matches_xla(spec):
+    """The interpret-mode kernel accumulates in f32, as the GPU/TPU kernels do
+    (value and gradient equal to the xla path up to bf16 rounding)."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((17, 17)), jnp.bfloat16)
+    y = jnp.asarray(rng.standard_normal((17, 8)), jnp.bfloat16)
+
+    def value_and_grads(kernels):
+        f = lambda a, b: nx.einsum(spec, a, b).astype(jnp.float32).sum()  # noqa: E731
+        with nx.kernels.use(kernels):
+            out = jax.jit(lambda a, b: nx.einsum(spec, a, b))(x, y)
+            grads = jax.jit(jax.grad(f, (0, 1)))(x, y)
+        return [np.asarray(v, np.float32) for v in (out, *grads)]
+
+    for got, want in zip(value_and_grads("pallas"), value_and_grads("xla")):
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+
+
+# --- r08: bf16 collectives that sum over part of a mesh (XLA:CPU abort) -------
+
+
+def _r08_expected(op: str):
+    """The positional program of the repro's body over its input (ones (8, 3))."""
+    x = np.ones((8, 3), np.float32)
+    # psum_scatter: position a gets row a of the sum over positions of broadcast_to(x[a], (8, 3)).
+    summed_rows = np.stack([np.broadcast_to(row, (8, 3)) for row in x]).sum(0)
+    return {"einsum": (x * x).sum(0), "pdot": x.T @ x, "psum": x.sum(0),
+            "psum_scatter": summed_rows}[op]
+
+
+@pytest.mark.parametrize("op", ["einsum", "pdot", "psum_scatter", "psum"])
+def test_r08_bf16_sums_over_part_of_a_mesh(op):
+    expected = jnp.asarray(_r08_expected(op), jnp.bfloat16)
+    assert printed_lines("r08_bf16_einsum_abort.py", op) == _lines(expected)
