@@ -12,6 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nxops._jax import ArrayImpl as _ArrayImpl
 from nxops._jax import config as _jax_config
+from nxops._jax import core as _jax_core
 from nxops._jax import mesh_lib as _mesh_lib
 from nxops._errors import NxopsError
 from nxops.ops._axis_env import current_logical_axes, current_logical_axes_map, logical_axes
@@ -233,6 +234,8 @@ class _UnderMesh:
         self._mesh, self._jitted = mesh, jitted
 
     def __call__(self, *args):
+        if not _jax_core.trace_state_clean():   # inside jax.jit: set_mesh is refused there
+            return self._jitted(*args)
         with jax.set_mesh(self._mesh):
             return self._jitted(*args)
 

@@ -1,5 +1,7 @@
 """Regression tests of issue 20's crashes and raw errors: each runs the
 reported program (``files/<name>``) unchanged and checks what it prints."""
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,3 +72,31 @@ def _r08_expected(op: str):
 def test_r08_bf16_sums_over_part_of_a_mesh(op):
     expected = jnp.asarray(_r08_expected(op), jnp.bfloat16)
     assert printed_lines("r08_bf16_einsum_abort.py", op) == _lines(expected)
+
+
+# --- p01, p03: the legacy `with mesh:` under jax.jit and pjit -------------------
+
+
+def test_p01_jit_of_xmap_under_legacy_mesh():
+    assert printed_lines("p01_legacy_mesh_jit.py") == [str(np.float32(np.ones((4, 3)).sum() * 2))]
+
+
+def test_p03_pjit_of_xmap_under_legacy_mesh():
+    x = np.arange(8.0, dtype=np.float32).reshape(4, 2)
+    assert printed_lines("p03_pjit_legacy_mesh.py") == _lines(x.sum(0))
+
+
+def test_legacy_mesh_result_does_not_depend_on_call_history():
+    """An xmap first called eagerly, then under jax.jit (and the reverse), under `with mesh:`."""
+    mesh = jax.make_mesh((2,), ("x",))
+    x = jnp.ones((4, 3))
+    expected = np.asarray(x * 2).sum(0)
+    for jit_first in (False, True):
+        g = nx.xmap(lambda v: nx.psum(v * 2, "i"), in_axes=["i", ...], out_axes=[...],
+                    axis_resources={"i": "x"})
+        calls = [jax.jit(g), g] if jit_first else [g, jax.jit(g)]
+        with warnings.catch_warnings(), mesh:   # `with mesh:` is deprecated in JAX
+            warnings.simplefilter("ignore", DeprecationWarning)
+            results = [np.asarray(call(x)) for call in calls * 2]
+        for result in results:
+            np.testing.assert_allclose(result, expected)
