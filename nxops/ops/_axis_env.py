@@ -21,6 +21,7 @@ from typing import Callable, Iterator, Sequence
 import jax
 
 from nxops._jax import core as _core
+from nxops._jax import inside_while_loop as _inside_while_loop
 from nxops._errors import NxopsError
 
 
@@ -123,6 +124,31 @@ def resolve(names: Sequence, *, op: str, allow_loop: bool = False) -> tuple[str,
     return tuple(physical)
 
 
+# While nx.xmap traces a program over mesh axes: the named ops over mesh axes
+# traced inside a lax.while_loop (None: nobody watches). xmap then checks that
+# no such loop runs a different trip count on devices that communicate.
+_MESH_OPS_IN_WHILE: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "nxops_mesh_ops_in_while", default=None)
+
+
+@contextlib.contextmanager
+def watch_mesh_ops_in_while() -> Iterator[list]:
+    """Yields a list that fills with the names of ops over mesh axes traced
+    inside a ``lax.while_loop`` within the block."""
+    seen: list = []
+    token = _MESH_OPS_IN_WHILE.set(seen)
+    try:
+        yield seen
+    finally:
+        _MESH_OPS_IN_WHILE.reset(token)
+
+
+def _note_mesh_op(op: str) -> None:
+    seen = _MESH_OPS_IN_WHILE.get()
+    if seen is not None and not seen and _inside_while_loop():
+        seen.append(op)
+
+
 def manual_mesh_axes() -> frozenset:
     """Mesh axes that are manual here (inside ``shard_map``)."""
     return frozenset(jax.sharding.get_abstract_mesh().manual_axes)
@@ -148,6 +174,8 @@ def split_vmap_and_mesh(physical: Sequence[str], *, op: str) -> tuple[tuple[str,
                 f"{', '.join(bound) or 'none'}). Named axes exist inside nx.xmap, "
                 f"jax.vmap(..., axis_name=...) and jax.shard_map bodies; use an int "
                 f"for a positional axis.")
+    if mesh_names:
+        _note_mesh_op(op)
     return tuple(vmap_names), tuple(mesh_names)
 
 

@@ -15,7 +15,8 @@ from nxops._jax import config as _jax_config
 from nxops._jax import core as _jax_core
 from nxops._jax import mesh_lib as _mesh_lib
 from nxops._errors import NxopsError
-from nxops.ops._axis_env import current_logical_axes, current_logical_axes_map, logical_axes
+from nxops.ops._axis_env import (current_logical_axes, current_logical_axes_map, logical_axes,
+                                  watch_mesh_ops_in_while)
 from nxops.xmap._plan import (Plan, check_shared_resources, mesh_in_scope,
                               normalize_axis_resources, plan_axis_resources)
 from nxops.xmap._program import build_program
@@ -23,7 +24,7 @@ from nxops.xmap._resources import loops_in_scope
 from nxops.xmap._rules import check_rules, current_axis_rules, resources_from_rules
 from nxops.xmap._specs import (AxisSpec, broadcast_specs, infer_axis_sizes, parse_spec_tree,
                                spec_names)
-from nxops.xmap._variance import check_no_cooccurrence
+from nxops.xmap._variance import check_no_cooccurrence, check_uniform_trip_counts
 
 # The meshes in scope when the enclosing xmap was called (None: no enclosing xmap).
 _device_context = _jax_config.device_context     # what jax.set_mesh sets
@@ -164,8 +165,13 @@ class XmapFunction:
                                       jax.tree.leaves(args), flat_specs)
             program, outputs = build_program(self._fun, plan, jax.tree.structure(args),
                                              flat_specs, self._out_axes, self._user_out_axes)
-            with logical_axes(plan.logical_axes()), _enclosing_mesh():
+            with logical_axes(plan.logical_axes()), _enclosing_mesh(), \
+                    watch_mesh_ops_in_while() as mesh_ops_in_while:
                 results = program(*jax.tree.leaves(args))
+            if mesh_ops_in_while and plan.mesh is not None:   # rare: one more trace
+                with _enclosing_mesh():
+                    check_uniform_trip_counts(self._fun, plan, jax.tree.structure(args),
+                                              jax.tree.leaves(args), flat_specs)
             return jax.tree.unflatten(outputs.tree, results)
 
         run.__name__ = getattr(self._fun, "__name__", "xmapped")

@@ -100,3 +100,66 @@ def test_legacy_mesh_result_does_not_depend_on_call_history():
             results = [np.asarray(call(x)) for call in calls * 2]
         for result in results:
             np.testing.assert_allclose(result, expected)
+
+
+# --- r06: while_loop with a per-position trip count and a collective inside ----
+
+
+def _printed_array(lines: list[str]) -> np.ndarray:
+    return np.array(" ".join(lines).replace("[", " ").replace("]", " ").split(), np.float64)
+
+
+def _r06_positional(x: np.ndarray) -> np.ndarray:
+    """vmap's semantics: every position iterates until all are done; a finished
+    position keeps its value, and the psum sees every position's current value."""
+    trips, count, value = x.astype(int) % 3 + 1, np.zeros(len(x), int), x.astype(np.float64)
+    while (count < trips).any():
+        active = count < trips
+        value = np.where(active, value * 0.5 + value.sum() * 0.01, value)
+        count += active
+    return value
+
+
+def test_r06_without_resources_gives_the_positional_result():
+    got = _printed_array(printed_lines("r06_while_collective_hang.py", "none"))
+    np.testing.assert_allclose(got, _r06_positional(np.arange(8.0)), rtol=1e-6)
+
+
+def test_r06_on_a_mesh_is_refused_at_trace_time():
+    # Unrefused, this deadlocks: XLA:CPU aborts the process after a 40 s rendezvous timeout.
+    with pytest.raises(nx.NxopsError, match="predicate that varies along 'a'.*deadlock"):
+        printed_lines("r06_while_collective_hang.py")
+
+
+def _while_with_psum(trips):
+    def body(x):
+        def step(c):
+            return c[0] + 1, c[1] * 0.5 + nx.psum(c[1], "a") * 0.01
+        return jax.lax.while_loop(lambda c: c[0] < trips(x), step, (0, x))[1]
+    return body
+
+
+def test_while_with_uniform_trip_count_and_collective_runs_on_a_mesh():
+    """A trip count that does not vary along the mesh-mapped name is fine (no refusal)."""
+    uniform = _while_with_psum(lambda x: nx.pmax(x.astype(jnp.int32), "a") % 3 + 1)
+    x = jnp.arange(8.0)
+    want = np.asarray(nx.xmap(uniform, [["a"]], ["a"])(x))
+    with jax.set_mesh(jax.make_mesh((4,), ("x",))):
+        got = np.asarray(nx.xmap(uniform, [["a"]], ["a"], axis_resources={"a": "x"})(x))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_while_varying_along_another_mesh_axis_than_the_collective_is_allowed():
+    """Predicate along 'b' (mesh 'y'), psum over 'a' (mesh 'x'): the devices of one
+    psum share 'b's position, hence the trip count."""
+    def body(x):
+        def step(c):
+            return c[0] + 1, c[1] * 0.5 + nx.psum(c[1], "a") * 0.01
+        trips = nx.axis_index("b") % 2 + 1
+        return jax.lax.while_loop(lambda c: c[0] < trips, step, (0, x))[1]
+    x = jnp.arange(8.0).reshape(4, 2)
+    f = lambda res: nx.xmap(body, [["a", "b"]], ["a", "b"], axis_resources=res)  # noqa: E731
+    want = np.asarray(f({})(x))
+    with jax.set_mesh(jax.make_mesh((4, 2), ("x", "y"))):
+        got = np.asarray(f({"a": "x", "b": "y"})(x))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
