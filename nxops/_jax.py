@@ -36,6 +36,9 @@ from jax._src.interpreters.batching import infer as infer_out_axes  # noqa: F401
 from jax._src import source_info_util  # noqa: F401
 # Pallas interpret-mode effects of the TPU ring collectives.
 from jax._src.pallas import core as pallas_core  # noqa: F401
+# Effect types and the sets that allow them (the ring collectives' own
+# ordered effect, accepted by jax.checkpoint). No public alternative.
+from jax._src import effects  # noqa: F401
 
 
 def vma_checked() -> bool:
@@ -66,3 +69,22 @@ def inside_while_loop() -> bool:
             return True
         trace = getattr(trace, "parent_trace", None)
     return False
+
+
+def enclosing_batch_axes() -> list[tuple[object, int]]:
+    """``(name, size)`` of every vmap level on the trace stack, innermost first.
+
+    When JAX traces a ``custom_jvp``/``custom_vjp`` rule lazily (an outer
+    ``jax.grad`` of a jitted program), it re-enters the rule's vmap levels as
+    traces but not the axis environment, so ``core.get_axis_env()`` does not
+    know their names. Private: ``parent_trace`` and ``axis_data``; where they
+    are missing this answers [] (the names stay unbound, as before).
+    """
+    found = []
+    trace = getattr(core, "unsafe_get_current_trace", lambda: None)()
+    while trace is not None:
+        axis_data = getattr(trace, "axis_data", None)
+        if axis_data is not None and getattr(axis_data, "name", None) is not None:
+            found.append((axis_data.name, axis_data.size))
+        trace = getattr(trace, "parent_trace", None)
+    return found

@@ -317,8 +317,10 @@ def axis_index(axis_name):
     """This position along named ``axis_name``: global, whatever carries it
     (mesh axes, serial loops, the vmap tile; names in a tuple major to minor)."""
     parts = _position_parts(axis_name, "nx.axis_index")
-    if all(p.index is None for p in parts):   # physical axes only: one lax.axis_index
-        names = tuple(p.physical for p in parts)
+    names = tuple(p.physical for p in parts)
+    # Physical axes only: one lax.axis_index (over several names it asks the
+    # axis environment for sizes, which a lazily traced custom rule lacks).
+    if all(p.index is None for p in parts) and (len(names) == 1 or _axis_env.bound_here(names)):
         return lax.axis_index(_one_or_tuple(names))
     index = jnp.int32(0)
     for part in parts:

@@ -25,7 +25,7 @@ from jax.sharding import AxisType, NamedSharding
 
 from nxops._jax import infer_out_axes as _infer_out_axes
 from nxops._errors import NxopsError
-from nxops.ops._axis_env import loop_step
+from nxops.ops._axis_env import TileAxisName, loop_step
 from nxops.xmap._plan import Plan, check_shared_resources
 from nxops.xmap._specs import AxisSpec, broadcast_specs, check_output_rank
 
@@ -128,7 +128,8 @@ def _tile_level(plan: Plan, name: str, inner: Inner, outputs: _Outputs) -> Inner
             return outs
 
         outs, src_axes = jax.vmap(vmapped, in_axes=in_axes, out_axes=_infer_out_axes,
-                                  axis_name=axis.vmap_name, axis_size=axis.tile)(*flat)
+                                  axis_name=TileAxisName(axis.vmap_name, plan.logical_axes()),
+                                  axis_size=axis.tile)(*flat)
         new_outs, new_layouts = [], []
         for j, (x, src, lay) in enumerate(zip(outs, src_axes, inner_layouts)):
             if tag not in outputs.layouts[j]:

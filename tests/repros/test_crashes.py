@@ -1,5 +1,6 @@
 """Regression tests of issue 20's crashes and raw errors: each runs the
 reported program (``files/<name>``) unchanged and checks what it prints."""
+import ast
 import warnings
 
 import jax
@@ -163,3 +164,64 @@ def test_while_varying_along_another_mesh_axis_than_the_collective_is_allowed():
     with jax.set_mesh(jax.make_mesh((4, 2), ("x", "y"))):
         got = np.asarray(f({"a": "x", "b": "y"})(x))
     np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+# --- g01: Pallas all_gather inside jax.checkpoint, differentiated --------------
+
+
+def test_g01_pallas_all_gather_in_remat_is_differentiable():
+    lines = printed_lines("g01_pallas_all_gather_in_remat.py")
+    assert len(lines) == 6 and all(" ok [" in line for line in lines), lines
+    values = {line.split(" ok ")[1] for line in lines}
+    assert len(values) == 1, lines   # every kernel choice, with and without checkpoint
+    x = np.arange(6.0).reshape(2, 3)
+    # Each of the 2 positions takes gathered row 0: position 0's cotangent sums to 2 cos(x0).
+    want = np.concatenate([2 * np.cos(x[0]), np.zeros(3)])
+    np.testing.assert_allclose(np.array(ast.literal_eval(values.pop())), want, rtol=1e-6)
+
+
+# --- r07: custom_jvp / custom_vjp rules using named ops, grad outside ------------
+
+
+def test_r07_custom_jvp_with_named_ops_grad_outside():
+    x = np.arange(8.0, dtype=np.float32)
+    value = x.sum() * x                      # g(v) * v with g = psum
+    grad = jax.grad(lambda v: (v.sum() * v).sum())(jnp.asarray(x))   # the positional program
+    assert printed_lines("r07_custom_vjp_grad_outside.py") == _lines(value) + _lines(grad)
+
+
+@jax.custom_jvp
+def _psum_a(v):
+    return nx.psum(v, "a")
+
+
+_psum_a.defjvp(lambda p, t: (_psum_a(p[0]), nx.psum(t[0], "a")))
+
+
+@jax.custom_vjp
+def _scaled_psum_a(v):
+    return nx.psum(v, "a") * nx.axis_index("a")
+
+
+_scaled_psum_a.defvjp(lambda v: (_scaled_psum_a(v), None),
+                      lambda _, ct: (nx.psum(ct * nx.axis_index("a"), "a"),))
+
+
+@pytest.mark.parametrize("resources", [{}, {"a": "x"}])
+def test_custom_rules_with_named_ops_differentiate_outside_on_every_placement(resources):
+    """Rules traced lazily (after the xmap's trace) still see the names, on a mesh too."""
+    x = jnp.arange(8.0)
+    positional = {
+        "jvp": (lambda v: _psum_a(v) * v, lambda v: v.sum() * v),
+        "vjp": (_scaled_psum_a, lambda v: v.sum() * jnp.arange(8.0)),
+    }
+    with jax.set_mesh(jax.make_mesh((4,), ("x",))):
+        for body, reference in positional.values():
+            f = nx.xmap(body, [["a"]], ["a"], axis_resources=resources)
+            got = jax.grad(lambda v: f(v).sum())(x)
+            np.testing.assert_allclose(np.asarray(got),
+                                       np.asarray(jax.grad(lambda v: reference(v).sum())(x)))
+        f = nx.xmap(positional["jvp"][0], [["a"]], ["a"], axis_resources=resources)
+        tangent = jax.jvp(f, (x,), (jnp.ones(8),))[1]
+        want = jax.jvp(positional["jvp"][1], (x,), (jnp.ones(8),))[1]
+        np.testing.assert_allclose(np.asarray(tangent), np.asarray(want))

@@ -39,6 +39,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.interpreters import mlir
 
 from nxops._jax import config as jax_config
+from nxops._jax import effects as jax_effects
 from nxops._jax import pallas_core
 from nxops.kernels._registry import Kernel, register
 from nxops.kernels.pallas import _collectives_mgpu, _common
@@ -424,15 +425,42 @@ _without_vma_check_p = jax.extend.core.Primitive("nxops_pallas_collective")
 _without_vma_check_p.multiple_results = True
 
 
+class InterpretCollectiveEffect(jax_effects.Effect):
+    """The host callbacks of the interpret-mode ring kernels, as one ordered
+    effect of nxops' own. They must stay ordered (the kernels share the TPU
+    interpreter's global state), but their own effect types (JAX's io_callback
+    effects) make jax.checkpoint refuse the collective ("Effects not supported
+    in partial-eval of checkpoint/remat"; GPT-J's remat'ed layers), and
+    allowing those for remat would change every io_callback. The lowering
+    threads this effect's token through the kernel's ordered callbacks."""
+
+
+_INTERPRET_EFFECT = InterpretCollectiveEffect()
+for _allowed in (jax_effects.lowerable_effects, jax_effects.control_flow_allowed_effects,
+                 jax_effects.ordered_effects, jax_effects.shardable_ordered_effects,
+                 jax_effects.remat_allowed_effects):
+    _allowed.add_type(InterpretCollectiveEffect)
+
+
 def _without_vma_check_abstract_eval(x_aval, *, fn, out_aval, kernel_effects):
     del x_aval, fn
-    return [out_aval], set(kernel_effects)
+    return [out_aval], {_INTERPRET_EFFECT} if kernel_effects else set()
 
 
 def _without_vma_check_lowering(ctx, x, *, fn, out_aval, kernel_effects):
-    del out_aval, kernel_effects
+    del out_aval
+    if not kernel_effects:
+        with jax_config._check_vma(False):
+            return mlir.lower_fun(fn, multiple_results=True)(ctx, x)
+    token = ctx.tokens_in.get(_INTERPRET_EFFECT)
+    inner = ctx.replace(tokens_in=mlir.TokenSet({
+        e: token for e in kernel_effects if jax_effects.ordered_effects.contains(e)}))
     with jax_config._check_vma(False):
-        return mlir.lower_fun(fn, multiple_results=True)(ctx, x)
+        outs = mlir.lower_fun(fn, multiple_results=True)(inner, x)
+    token_out = next((inner.tokens_out.get(e) for e in kernel_effects
+                      if jax_effects.ordered_effects.contains(e)), token)
+    ctx.set_tokens_out(mlir.TokenSet({_INTERPRET_EFFECT: token_out}))
+    return outs
 
 
 _without_vma_check_p.def_effectful_abstract_eval(_without_vma_check_abstract_eval)
