@@ -88,3 +88,25 @@ def enclosing_batch_axes() -> list[tuple[object, int]]:
             found.append((axis_data.name, axis_data.size))
         trace = getattr(trace, "parent_trace", None)
     return found
+
+
+def pin_constant(value, aval) -> object | None:
+    """Makes the current jaxpr trace use ``aval`` for the closed-over constant
+    ``value`` (JAX reuses one tracer per constant object in a trace). Returns
+    that tracer, which must stay alive while the trace uses it; None where
+    the trace has no such cache (the constant keeps its own type).
+
+    xmap uses it for arrays made under an Explicit mesh and closed over by a
+    body that runs in a shard_map over some of its axes: their own type names
+    the all-Explicit mesh, which JAX 0.10 refuses to mix with the body's
+    partly Manual one (jax-ml/jax#29162: "pass it in as an argument" -- a
+    closure is not an argument xmap can see). Private: ``new_const(aval=)``.
+    """
+    trace = getattr(core, "unsafe_get_current_trace", lambda: None)()
+    new_const = getattr(trace, "new_const", None)
+    if new_const is None or not hasattr(getattr(trace, "frame", None), "constid_to_tracer"):
+        return None
+    try:
+        return new_const(value, source_info_util.current(), aval=aval)
+    except TypeError:   # another signature
+        return None

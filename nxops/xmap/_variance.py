@@ -87,6 +87,15 @@ def _analyze(body, plan: Plan, in_tree, flat_args, flat_specs, shared) -> None:
     _Analysis(logical, shared, mesh_axes).run(jaxpr.jaxpr, [Names(s.axis_names) for s in flat_specs])
 
 
+def closed_over_constants(body: Callable, plan: Plan, in_tree, flat_args: Sequence,
+                          flat_specs: Sequence[AxisSpec]) -> list:
+    """The values ``body`` closes over (its jaxpr's constants; [] if it fails)."""
+    try:
+        return list(_trace_per_instance(body, plan, in_tree, flat_args, flat_specs).consts)
+    except Exception:  # noqa: BLE001 - the caller re-raises the program's own error
+        return []
+
+
 def _trace_per_instance(body, plan: Plan, in_tree, flat_args, flat_specs) -> ClosedJaxpr:
     """The body's jaxpr on one instance's avals (named dims removed), with each
     name bound as the plain axis ``vmap_name`` of the name's full size."""

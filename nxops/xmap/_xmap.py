@@ -19,12 +19,13 @@ from nxops.ops._axis_env import (current_logical_axes, current_logical_axes_map,
                                   watch_mesh_ops_in_while)
 from nxops.xmap._plan import (Plan, check_shared_resources, mesh_in_scope,
                               normalize_axis_resources, plan_axis_resources)
-from nxops.xmap._program import build_program
+from nxops.xmap._program import build_program, explicit_mesh_constants, pinned_constants
 from nxops.xmap._resources import loops_in_scope
 from nxops.xmap._rules import check_rules, current_axis_rules, resources_from_rules
 from nxops.xmap._specs import (AxisSpec, broadcast_specs, infer_axis_sizes, parse_spec_tree,
                                spec_names)
-from nxops.xmap._variance import check_no_cooccurrence, check_uniform_trip_counts
+from nxops.xmap._variance import (check_no_cooccurrence, check_uniform_trip_counts,
+                                  closed_over_constants)
 
 # The meshes in scope when the enclosing xmap was called (None: no enclosing xmap).
 _device_context = _jax_config.device_context     # what jax.set_mesh sets
@@ -167,7 +168,28 @@ class XmapFunction:
                                              flat_specs, self._out_axes, self._user_out_axes)
             with logical_axes(plan.logical_axes()), _enclosing_mesh(), \
                     watch_mesh_ops_in_while() as mesh_ops_in_while:
-                results = program(*jax.tree.leaves(args))
+                try:
+                    results = program(*jax.tree.leaves(args))
+                except NxopsError:
+                    raise
+                except Exception:
+                    if plan.mesh is None:
+                        raise
+                    # Arrays made under an Explicit mesh and closed over by the
+                    # body: JAX refuses them inside the shard_map. Retrace with
+                    # them typed on the body's mesh (see _jax.pin_constant).
+                    constants = explicit_mesh_constants(closed_over_constants(
+                        self._fun, plan, jax.tree.structure(args), jax.tree.leaves(args),
+                        flat_specs))
+                    if not constants:
+                        raise
+                    with pinned_constants(constants):
+                        try:
+                            results = program(*jax.tree.leaves(args))
+                        except NxopsError:
+                            raise
+                        except Exception as e:
+                            raise _closed_over_error(constants, plan) from e
             if mesh_ops_in_while and plan.mesh is not None:   # rare: one more trace
                 with _enclosing_mesh():
                     check_uniform_trip_counts(self._fun, plan, jax.tree.structure(args),
@@ -231,6 +253,16 @@ class XmapFunction:
         leaves = [jax.device_put(x, target(x, spec)) if c and x.sharding.device_set != devices else x
                   for x, spec, c in zip(leaves, flat_specs, committed)]
         return jax.tree.unflatten(tree, leaves)
+
+
+def _closed_over_error(constants: list, plan: Plan) -> NxopsError:
+    shown = ", ".join(f"{c.dtype}{list(c.shape)}" for c in constants)
+    return NxopsError(
+        f"The xmapped function closes over arrays made under a mesh with Explicit axes "
+        f"({shown}) and uses them where JAX cannot inside the shard_map over mesh axes "
+        f"{plan.mesh_axes}: values typed on the all-Explicit mesh do not mix with the "
+        f"body's partly Manual one (jax-ml/jax#29162). Pass them to the xmapped function "
+        f"as arguments (in_axes [...] replicates one), or make them outside jax.set_mesh.")
 
 
 class _UnderMesh:

@@ -225,3 +225,28 @@ def test_custom_rules_with_named_ops_differentiate_outside_on_every_placement(re
         tangent = jax.jvp(f, (x,), (jnp.ones(8),))[1]
         want = jax.jvp(positional["jvp"][1], (x,), (jnp.ones(8),))[1]
         np.testing.assert_allclose(np.asarray(tangent), np.asarray(want))
+
+
+# --- s03: a PRNG key made under the mesh, closed over by the body ---------------
+
+
+def test_s03_key_made_under_the_mesh_and_closed_over():
+    placements = [{}, {"b": "x"}, {"b": ("y", nx.SerialLoop(2))}]
+    assert printed_lines("s03_closed_over_key_under_mesh.py") == [
+        *(f"{res} ok 16 distinct" for res in placements), "all equal: True"]
+
+
+def test_closed_over_array_made_under_the_mesh_is_refused_clearly_where_jax_cannot():
+    """A key folded in the body works (above); an array entering a jnp op inside
+    the shard_map is JAX's limitation (jax-ml/jax#29162): an NxopsError says what
+    to do, and passing it as an argument works."""
+    with jax.set_mesh(jax.make_mesh((2, 4), ("x", "y"))):
+        offset = jnp.arange(3.0)
+        x = jnp.ones((8, 3))
+        closed = nx.xmap(lambda v: v * 2 + offset, [["b", ...]], ["b", ...],
+                         axis_resources={"b": "y"})
+        with pytest.raises(nx.NxopsError, match=r"closes over arrays .*float32\[3\].*as arguments"):
+            closed(x)
+        passed = nx.xmap(lambda v, o: v * 2 + o, [["b", ...], [...]], ["b", ...],
+                         axis_resources={"b": "y"})
+        np.testing.assert_allclose(np.asarray(passed(x, offset)), np.ones((8, 3)) * 2 + np.arange(3.0))
