@@ -166,34 +166,13 @@ class XmapFunction:
                                       jax.tree.leaves(args), flat_specs)
             program, outputs = build_program(self._fun, plan, jax.tree.structure(args),
                                              flat_specs, self._out_axes, self._user_out_axes)
+            tree, leaves = jax.tree.structure(args), jax.tree.leaves(args)
             with logical_axes(plan.logical_axes()), _enclosing_mesh(), \
                     watch_mesh_ops_in_while() as mesh_ops_in_while:
-                try:
-                    results = program(*jax.tree.leaves(args))
-                except NxopsError:
-                    raise
-                except Exception:
-                    if plan.mesh is None:
-                        raise
-                    # Arrays made under an Explicit mesh and closed over by the
-                    # body: JAX refuses them inside the shard_map. Retrace with
-                    # them typed on the body's mesh (see _jax.pin_constant).
-                    constants = explicit_mesh_constants(closed_over_constants(
-                        self._fun, plan, jax.tree.structure(args), jax.tree.leaves(args),
-                        flat_specs))
-                    if not constants:
-                        raise
-                    with pinned_constants(constants):
-                        try:
-                            results = program(*jax.tree.leaves(args))
-                        except NxopsError:
-                            raise
-                        except Exception as e:
-                            raise _closed_over_error(constants, plan) from e
+                results = self._trace(program, plan, tree, leaves, flat_specs)
             if mesh_ops_in_while and plan.mesh is not None:   # rare: one more trace
                 with _enclosing_mesh():
-                    check_uniform_trip_counts(self._fun, plan, jax.tree.structure(args),
-                                              jax.tree.leaves(args), flat_specs)
+                    check_uniform_trip_counts(self._fun, plan, tree, leaves, flat_specs)
             return jax.tree.unflatten(outputs.tree, results)
 
         run.__name__ = getattr(self._fun, "__name__", "xmapped")
@@ -202,6 +181,29 @@ class XmapFunction:
         if mesh is None or not _concrete_mesh_unset():
             return jitted
         return _UnderMesh(mesh, jitted)   # the legacy `with mesh:`
+
+    def _trace(self, program, plan: Plan, tree, leaves: list, flat_specs: list):
+        """``program(*leaves)``; on a mesh, retraced once if the body closes over
+        arrays made under an Explicit mesh, which JAX refuses inside the
+        shard_map: typed on the body's mesh (see ``_jax.pin_constant``)."""
+        try:
+            return program(*leaves)
+        except NxopsError:
+            raise
+        except Exception:
+            if plan.mesh is None:
+                raise
+            constants = explicit_mesh_constants(
+                closed_over_constants(self._fun, plan, tree, leaves, flat_specs))
+            if not constants:
+                raise
+        with pinned_constants(constants):
+            try:
+                return program(*leaves)
+            except NxopsError:
+                raise
+            except Exception as e:
+                raise _closed_over_error(constants, plan) from e
 
     def _plan(self, args: tuple, mesh: Mesh | None,
               resources: dict) -> tuple[Plan, list[AxisSpec]]:
