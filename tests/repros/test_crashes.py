@@ -96,9 +96,10 @@ def test_legacy_mesh_result_does_not_depend_on_call_history():
         g = nx.xmap(lambda v: nx.psum(v * 2, "i"), in_axes=["i", ...], out_axes=[...],
                     axis_resources={"i": "x"})
         calls = [jax.jit(g), g] if jit_first else [g, jax.jit(g)]
-        with warnings.catch_warnings(), mesh:   # `with mesh:` is deprecated in JAX
+        with warnings.catch_warnings():   # `with mesh:` is deprecated in JAX
             warnings.simplefilter("ignore", DeprecationWarning)
-            results = [np.asarray(call(x)) for call in calls * 2]
+            with mesh:
+                results = [np.asarray(call(x)) for call in calls * 2]
         for result in results:
             np.testing.assert_allclose(result, expected)
 
