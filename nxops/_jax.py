@@ -44,6 +44,9 @@ from jax._src.interpreters.batching import infer as infer_out_axes  # noqa: F401
 from jax._src import source_info_util  # noqa: F401
 # Pallas interpret-mode effects of the TPU ring collectives.
 from jax._src.pallas import core as pallas_core  # noqa: F401
+# Effect types and the sets that allow them (the ring collectives' own
+# ordered effect, accepted by jax.checkpoint). No public alternative.
+from jax._src import effects  # noqa: F401
 
 
 def vma_checked() -> bool:
@@ -91,3 +94,63 @@ def adapt_dce_rule(primitive) -> None:
             return rule(used_outs, eqn)
         adapted._nxops_adapted = True
         pe.dce_rules[primitive] = adapted
+
+
+def inside_while_loop() -> bool:
+    """Whether the value being traced is inside the cond or body of a
+    ``lax.while_loop`` (some enclosing trace is a jaxpr trace made for one).
+
+    xmap uses it to look for collectives whose devices may run different trip
+    counts. Private: the trace stack (``parent_trace``) and the debug info's
+    ``traced_for``; where either is missing this answers False (the check is
+    then skipped, as before).
+    """
+    trace = getattr(core, "unsafe_get_current_trace", lambda: None)()
+    while trace is not None:
+        frame = getattr(trace, "frame", None)
+        traced_for = getattr(getattr(frame, "debug_info", None), "traced_for", None)
+        if traced_for in ("while_cond", "while_body"):
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
+
+
+def enclosing_batch_axes() -> list[tuple[object, int]]:
+    """``(name, size)`` of every vmap level on the trace stack, innermost first.
+
+    When JAX traces a ``custom_jvp``/``custom_vjp`` rule lazily (an outer
+    ``jax.grad`` of a jitted program), it re-enters the rule's vmap levels as
+    traces but not the axis environment, so ``core.get_axis_env()`` does not
+    know their names. Private: ``parent_trace`` and ``axis_data``; where they
+    are missing this answers [] (the names stay unbound, as before).
+    """
+    found = []
+    trace = getattr(core, "unsafe_get_current_trace", lambda: None)()
+    while trace is not None:
+        axis_data = getattr(trace, "axis_data", None)
+        if axis_data is not None and getattr(axis_data, "name", None) is not None:
+            found.append((axis_data.name, axis_data.size))
+        trace = getattr(trace, "parent_trace", None)
+    return found
+
+
+def pin_constant(value, aval) -> object | None:
+    """Makes the current jaxpr trace use ``aval`` for the closed-over constant
+    ``value`` (JAX reuses one tracer per constant object in a trace). Returns
+    that tracer, which must stay alive while the trace uses it; None where
+    the trace has no such cache (the constant keeps its own type).
+
+    xmap uses it for arrays made under an Explicit mesh and closed over by a
+    body that runs in a shard_map over some of its axes: their own type names
+    the all-Explicit mesh, which JAX 0.10 refuses to mix with the body's
+    partly Manual one (jax-ml/jax#29162: "pass it in as an argument" -- a
+    closure is not an argument xmap can see). Private: ``new_const(aval=)``.
+    """
+    trace = getattr(core, "unsafe_get_current_trace", lambda: None)()
+    new_const = getattr(trace, "new_const", None)
+    if new_const is None or not hasattr(getattr(trace, "frame", None), "constid_to_tracer"):
+        return None
+    try:
+        return new_const(value, source_info_util.current(), aval=aval)
+    except TypeError:   # another signature
+        return None

@@ -22,6 +22,8 @@ from typing import Callable, Iterator, Sequence
 import jax
 
 from nxops._jax import core as _core
+from nxops._jax import enclosing_batch_axes as _enclosing_batch_axes
+from nxops._jax import inside_while_loop as _inside_while_loop
 from nxops._errors import NxopsError
 
 
@@ -70,7 +72,10 @@ def position_parts(names: Sequence, *, op: str) -> list[PositionPart]:
     logical = _LOGICAL_AXES.get()
     parts: list[PositionPart] = []
     for name in names:
-        axis = logical.get(name, LogicalAxis(physical=(name,)))
+        axis = logical.get(name)
+        if axis is None and not _bound_here(name):
+            axis = _bindings_from_vmap_levels()[0].get(name)
+        axis = axis or LogicalAxis(physical=(name,))
         physical = [PositionPart(physical_axis_size(n), physical=n) for n in axis.physical]
         steps = _LOOP_STEPS.get()
         for loop in axis.loops:
@@ -93,6 +98,37 @@ def logical_axes(mapping: dict[str, LogicalAxis]) -> Iterator[None]:
         _LOGICAL_AXES.reset(token)
 
 
+class TileAxisName(str):
+    """The axis name of an ``nx.xmap`` vmap level: equal to, and hashing as,
+    the plain name (JAX and raw ``lax`` collectives see the usual string),
+    and carrying the logical names bound where the level was made.
+
+    A ``custom_jvp``/``custom_vjp`` rule is traced lazily, when an outer
+    ``jax.grad``/``jvp`` needs it, after the xmap's context is gone; JAX then
+    re-enters the rule's vmap levels, and the names come back from them
+    (:func:`_bindings_from_vmap_levels`)."""
+
+    logical: dict
+
+    def __new__(cls, name: str, logical: dict[str, LogicalAxis]):
+        self = super().__new__(cls, name)
+        self.logical = logical
+        return self
+
+    def __reduce__(self):   # pickles (and copies) as the plain name
+        return (str, (str(self),))
+
+
+def _bindings_from_vmap_levels() -> tuple[dict[str, LogicalAxis], dict]:
+    """(logical names, physical vmap sizes) recovered from the vmap levels on
+    the trace stack: used only where the context has no binding for a name."""
+    levels = _enclosing_batch_axes()
+    logical: dict[str, LogicalAxis] = {}
+    for name, _ in reversed(levels):   # outer levels first: inner ones extend them
+        logical.update(getattr(name, "logical", {}))
+    return logical, {name: size for name, size in levels}
+
+
 def current_logical_axes() -> dict[str, LogicalAxis]:
     return dict(_LOGICAL_AXES.get())
 
@@ -112,6 +148,8 @@ def resolve(names: Sequence, *, op: str, allow_loop: bool = False) -> tuple[str,
     physical: list[str] = []
     for name in names:
         axis = logical.get(name)
+        if axis is None and not _bound_here(name):
+            axis = _bindings_from_vmap_levels()[0].get(name)
         if axis is None:
             physical.append(name)
             continue
@@ -122,6 +160,41 @@ def resolve(names: Sequence, *, op: str, allow_loop: bool = False) -> tuple[str,
                 f"loop is not possible. Map {name!r} to mesh axes (or nothing) in axis_resources.")
         physical.extend(axis.physical)
     return tuple(physical)
+
+
+# While nx.xmap traces a program over mesh axes: the named ops over mesh axes
+# traced inside a lax.while_loop (None: nobody watches). xmap then checks that
+# no such loop runs a different trip count on devices that communicate.
+_MESH_OPS_IN_WHILE: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "nxops_mesh_ops_in_while", default=None)
+
+
+@contextlib.contextmanager
+def watch_mesh_ops_in_while() -> Iterator[list]:
+    """Yields a list that fills with the names of ops over mesh axes traced
+    inside a ``lax.while_loop`` within the block."""
+    seen: list = []
+    token = _MESH_OPS_IN_WHILE.set(seen)
+    try:
+        yield seen
+    finally:
+        _MESH_OPS_IN_WHILE.reset(token)
+
+
+def _note_mesh_op(op: str) -> None:
+    seen = _MESH_OPS_IN_WHILE.get()
+    if seen is not None and not seen and _inside_while_loop():
+        seen.append(op)
+
+
+def _bound_here(name) -> bool:
+    return _core.get_axis_env().axis_exists(name) or name in manual_mesh_axes()
+
+
+def bound_here(names: Sequence) -> bool:
+    """Whether the axis environment binds every physical name (it does not in
+    a lazily traced custom_jvp/custom_vjp rule: see TileAxisName)."""
+    return all(map(_bound_here, names))
 
 
 def manual_mesh_axes() -> frozenset:
@@ -140,7 +213,7 @@ def split_vmap_and_mesh(physical: Sequence[str], *, op: str) -> tuple[tuple[str,
     for name in physical:
         if name in manual:
             mesh_names.append(name)
-        elif env.axis_exists(name):
+        elif env.axis_exists(name) or name in _bindings_from_vmap_levels()[1]:
             vmap_names.append(name)
         else:
             bound = user_visible_axis_names(env.axis_sizes)
@@ -151,6 +224,8 @@ def split_vmap_and_mesh(physical: Sequence[str], *, op: str) -> tuple[tuple[str,
                 f" Named axes exist inside nx.xmap, "
                 f"jax.vmap(..., axis_name=...) and jax.shard_map bodies; use an int "
                 f"for a positional axis.")
+    if mesh_names:
+        _note_mesh_op(op)
     return tuple(vmap_names), tuple(mesh_names)
 
 
@@ -166,7 +241,12 @@ def user_visible_axis_names(bound_axes) -> list[str]:
 
 
 def physical_axis_size(name: str) -> int:
-    return _core.get_axis_env().axis_size(name)
+    env = _core.get_axis_env()
+    if not env.axis_exists(name):   # a lazily traced custom_jvp/vjp rule: see TileAxisName
+        sizes = _bindings_from_vmap_levels()[1]
+        if name in sizes:
+            return sizes[name]
+    return env.axis_size(name)
 
 
 def check_no_duplicates(names: Sequence, *, op: str, what: str) -> None:

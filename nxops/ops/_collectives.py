@@ -25,6 +25,7 @@ from nxops._jax import mesh_lib as _mesh
 from nxops._errors import NxopsError
 from nxops import kernels as _kernels
 from nxops.ops import _axis_env, _fusion
+from nxops.kernels.xla import collectives as xla_collectives
 from nxops.kernels.xla import tile as xla_tile
 from nxops.ops._primitive import kernel_primitive, selection_param
 from nxops._typing import ArrayLike, AxisNames, DTypeLike, Tiling
@@ -321,8 +322,10 @@ def axis_index(axis_name: AxisNames) -> jax.Array:
     """This position along named ``axis_name``: global, whatever carries it
     (mesh axes, serial loops, the vmap tile; names in a tuple major to minor)."""
     parts = _position_parts(axis_name, "nx.axis_index")
-    if all(p.index is None for p in parts):   # physical axes only: one lax.axis_index
-        names = tuple(p.physical for p in parts)
+    names = tuple(p.physical for p in parts)
+    # Physical axes only: one lax.axis_index (over several names it asks the
+    # axis environment for sizes, which a lazily traced custom rule lacks).
+    if all(p.index is None for p in parts) and (len(names) == 1 or _axis_env.bound_here(names)):
         return lax.axis_index(_one_or_tuple(names))
     index = jnp.int32(0)
     for part in parts:
@@ -384,7 +387,8 @@ def _tile_transpose(ct, x, index, *, dim, count, kernels):
     ct_x = lax.dynamic_update_slice_in_dim(zeros, ct, index * size, dim)
     # x was replicated over the mesh axes the index varies over: sum the tiles.
     extra = tuple(jax.typeof(ct_x).manual_axis_type.varying - x.aval.manual_axis_type.varying)
-    return (lax.psum(ct_x, extra) if extra else ct_x), None
+    summed = xla_collectives.psum(ct_x, extra, platform=_mesh_platform()) if extra else ct_x
+    return summed, None
 
 
 ad.primitive_jvps[tile_p] = _tile_jvp

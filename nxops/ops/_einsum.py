@@ -15,11 +15,12 @@ import functools
 import jax
 import jax.numpy as jnp
 import opt_einsum
-from jax import lax
 from jax.lax import PrecisionLike
 
 from nxops._errors import NxopsError
+from nxops.kernels.xla import collectives as xla_collectives
 from nxops.ops import _axis_env, _fusion
+from nxops.ops._collectives import _mesh_platform
 from nxops.ops._dot import bind_dot_general
 from nxops.ops._einsum_spec import ELLIPSIS, EinsumSpec, Term, parse_einsum_spec
 from nxops.ops._primitive import selection_param
@@ -128,7 +129,7 @@ def _sum_unneeded(op: _Operand, needed: set[str], kernels: str) -> _Operand:
     if axes or names:
         value = bind_reduce(value, axes=axes, op="sum", axis_names=names, kernels=kernels)
     if mesh:
-        value = lax.psum(value, mesh)
+        value = xla_collectives.psum(value, mesh, platform=_mesh_platform())
     return _Operand(value, [lab for lab in op.labels if lab in needed],
                     tuple(n for n in op.names if n in needed),
                     tuple(m for m in op.mesh if m in needed))
@@ -266,7 +267,7 @@ def einsum(spec: str, *operands: ArrayLike, precision: PrecisionLike = None,
     if value.dtype != out_dtype:   # sums promote small ints and bool; jnp.einsum does not
         value = value.astype(out_dtype)
     if mesh_contracted:
-        value = _fusion.mesh_sum(value, mesh_contracted)
+        value = _fusion.mesh_sum(value, mesh_contracted, platform=_mesh_platform())
     return value
 
 
@@ -287,7 +288,7 @@ def pdot(x: ArrayLike, y: ArrayLike, axis_name: AxisNames, *, pos_contract: PosD
                            precision=precision, kernels=selection_param())
     if not mesh_names:
         return out
-    return _fusion.mesh_sum(out, mesh_names)
+    return _fusion.mesh_sum(out, mesh_names, platform=_mesh_platform())
 
 
 def _check_pdot_dims(x, y, pos_contract, pos_batch):

@@ -22,16 +22,17 @@ from __future__ import annotations
 
 import weakref
 
-from jax import lax
+from nxops.kernels.xla import collectives as xla_collectives
 
 # id(result) -> (weak reference to result, partial, mesh axes summed over)
 _summed: dict[int, tuple[weakref.ref, object, tuple[str, ...]]] = {}
 
 
-def mesh_sum(partial, mesh_names: tuple[str, ...]):
-    """``lax.psum(partial, mesh_names)``, recorded so that an ``nx.tile`` over the
+def mesh_sum(partial, mesh_names: tuple[str, ...], *, platform: str):
+    """``lax.psum(partial, mesh_names)`` (in f32 on CPU for 16-bit floats, see
+    ``kernels/xla/collectives.py``), recorded so that an ``nx.tile`` over the
     same mesh axes can reduce-scatter ``partial`` instead."""
-    result = lax.psum(partial, mesh_names)
+    result = xla_collectives.psum(partial, mesh_names, platform=platform)
     key = id(result)
     try:
         ref = weakref.ref(result, lambda _: _summed.pop(key, None))

@@ -74,7 +74,9 @@ def _lowering_devices(ctx) -> tuple:
     axis_context = ctx.module_context.axis_context
     if getattr(axis_context, "device_assignment", None):
         return tuple(axis_context.device_assignment)
-    devices = getattr(getattr(axis_context, "mesh", None), "devices", None)
+    mesh = getattr(axis_context, "mesh", None)
+    # An AbstractMesh (pjit under the legacy `with mesh:`) has no devices: it raises.
+    devices = mesh.devices if isinstance(mesh, jax.sharding.Mesh) else None
     if devices is not None and getattr(devices, "size", 0):
         return tuple(devices.flat)
     backend = ctx.module_context.backend   # e.g. the compile-only client of a topology

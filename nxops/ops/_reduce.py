@@ -173,11 +173,9 @@ def _mesh_logsumexp(y, mesh_names):
 
 
 def _mesh_prod(y, mesh_names):
-    gathered = xla_collectives.all_gather(y, mesh_names, axis=0, tiled=False)
+    gathered = xla_collectives.all_gather(y, mesh_names, axis=0, tiled=False,
+                                          platform=_mesh_platform())
     return jnp.prod(gathered, axis=0)
-
-
-_CPU_UNSAFE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def _resolve_axes(x, axis, name: str):
@@ -201,14 +199,16 @@ def _reduce_resolved(x, positional, vmap_names, mesh_names, op: str):
         return y
     if op in ("max", "min") and jnp.issubdtype(y.dtype, jnp.complexfloating):
         # XLA has no complex all-reduce max; jnp orders complex numbers lexicographically.
-        gathered = xla_collectives.all_gather(y, mesh_names, axis=0, tiled=False)
+        gathered = xla_collectives.all_gather(y, mesh_names, axis=0, tiled=False,
+                                              platform=_mesh_platform())
         return (jnp.max if op == "max" else jnp.min)(gathered, axis=0)
-    if y.dtype in _CPU_UNSAFE_DTYPES and _mesh_platform() == "cpu":
+    if y.dtype in xla_collectives.CPU_UNSAFE_DTYPES and _mesh_platform() == "cpu":
         # XLA:CPU aborts (CHECK "Invalid binary instruction opcode copy") on a
-        # bf16/f16 all-reduce over some of the mesh axes: reduce in f32 there.
+        # bf16/f16 all-reduce over some of the mesh axes: reduce in f32 there
+        # (every op; sums of other nx ops: xla_collectives.summed_in_f32_on_cpu).
         return _reduce_resolved(y.astype(jnp.float32), (), (), mesh_names, op).astype(y.dtype)
     if op == "sum":
-        return _fusion.mesh_sum(y, mesh_names)
+        return _fusion.mesh_sum(y, mesh_names, platform=_mesh_platform())
     if op in _MESH_REDUCERS:
         return _MESH_REDUCERS[op](y, mesh_names)
     if op == "logsumexp":

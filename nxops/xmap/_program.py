@@ -14,6 +14,8 @@ cover it), so vmap's own batching tells which outputs vary along which names.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 from typing import Any, Callable, Sequence
@@ -21,11 +23,12 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from nxops._jax import infer_out_axes as _infer_out_axes
+from nxops._jax import pin_constant as _pin_constant
 from nxops._errors import NxopsError
-from nxops.ops._axis_env import loop_step
+from nxops.ops._axis_env import TileAxisName, loop_step
 from nxops.xmap._plan import Plan, check_shared_resources
 from nxops.xmap._specs import AxisSpec, broadcast_specs, check_output_rank
 
@@ -128,7 +131,8 @@ def _tile_level(plan: Plan, name: str, inner: Inner, outputs: _Outputs) -> Inner
             return outs
 
         outs, src_axes = jax.vmap(vmapped, in_axes=in_axes, out_axes=_infer_out_axes,
-                                  axis_name=axis.vmap_name, axis_size=axis.tile)(*flat)
+                                  axis_name=TileAxisName(axis.vmap_name, plan.logical_axes()),
+                                  axis_size=axis.tile)(*flat)
         new_outs, new_layouts = [], []
         for j, (x, src, lay) in enumerate(zip(outs, src_axes, inner_layouts)):
             if tag not in outputs.layouts[j]:
@@ -156,6 +160,46 @@ def _zeros_like_aval(aval):
     return lax.pcast(zeros, varying, to="varying") if varying else zeros
 
 
+# Closed-over arrays typed on an Explicit mesh, which the body's traces inside
+# the shard_map must see with the body's mesh (see _jax.pin_constant). Set by
+# xmap when a first trace failed on them; empty otherwise.
+_CONSTANTS_TO_PIN: contextvars.ContextVar[tuple] = contextvars.ContextVar(
+    "nxops_constants_to_pin", default=())
+
+
+@contextlib.contextmanager
+def pinned_constants(constants: Sequence) -> Any:
+    token = _CONSTANTS_TO_PIN.set(tuple(constants))
+    try:
+        yield
+    finally:
+        _CONSTANTS_TO_PIN.reset(token)
+
+
+def _pin_constants() -> list:
+    """Pins the constants in the trace being made (a shard_map body or a
+    loop step): replicated, on the mesh in scope here. Keep the result alive."""
+    constants = _CONSTANTS_TO_PIN.get()
+    if not constants:
+        return []
+    mesh = jax.sharding.get_abstract_mesh()
+    pinned = []
+    for c in constants:
+        aval = jax.typeof(c).update(sharding=NamedSharding(mesh, PartitionSpec()))
+        pinned.append(_pin_constant(c, aval))
+    return pinned
+
+
+def explicit_mesh_constants(constants: Sequence) -> list:
+    """The concrete arrays among ``constants`` typed on a mesh with Explicit axes."""
+    def on_explicit_mesh(c) -> bool:
+        sharding = getattr(c, "sharding", None) if isinstance(c, jax.Array) else None
+        mesh = getattr(sharding, "mesh", None)
+        return (not isinstance(c, jax.core.Tracer) and isinstance(sharding, NamedSharding)
+                and AxisType.Explicit in tuple(getattr(mesh, "axis_types", ())))
+    return [c for c in constants if on_explicit_mesh(c)]
+
+
 def _loop_level(loop, inner: Inner, outputs: _Outputs) -> Inner:
     tag = LoopTag(loop)
 
@@ -166,6 +210,7 @@ def _loop_level(loop, inner: Inner, outputs: _Outputs) -> Inner:
         inner_layouts: list = []
 
         def one_step(index, xs_step):
+            pinned = _pin_constants()  # noqa: F841 - alive while the step is traced
             args = list(flat)
             for i, x in zip(scanned, xs_step):
                 args[i] = x
@@ -274,6 +319,7 @@ def _over_mesh(local_program: Callable, plan: Plan, in_specs: list[AxisSpec],
         out_specs: list = []   # filled in once the body's results are known
 
         def sharded(*local):
+            pinned = _pin_constants()  # noqa: F841 - alive while the body is traced
             results = local_program(*local)
             out_specs[:] = [plan.partition_spec(s, x.ndim) for x, s in zip(results, outputs.specs)]
             return results

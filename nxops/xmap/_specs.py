@@ -147,7 +147,7 @@ def broadcast_specs(parsed_tree: Any, values: Any, what: str, user_tree: Any) ->
         values = tuple(values)
     try:
         per_subtree = jax.tree.map(
-            lambda spec, sub: [spec] * len(jax.tree.leaves(sub)), parsed_tree, values,
+            lambda spec, sub: _SpecGroup([spec] * len(jax.tree.leaves(sub))), parsed_tree, values,
             is_leaf=lambda x: isinstance(x, AxisSpec))
     except ValueError:
         structure = jax.tree.structure(values)
@@ -157,8 +157,13 @@ def broadcast_specs(parsed_tree: Any, values: Any, what: str, user_tree: Any) ->
             f"Give one spec per {'argument' if what == 'in_axes' else 'result'} (or one "
             f"spec for all). ({_prefix_mismatch(parsed_tree, values, what) or 'the trees differ'})"
         ) from None
-    return [spec for group in jax.tree.leaves(per_subtree, is_leaf=lambda x: isinstance(x, list))
+    return [spec for group in jax.tree.leaves(per_subtree, is_leaf=lambda x: isinstance(x, _SpecGroup))
             for spec in group]
+
+
+class _SpecGroup(list):
+    """The specs of one subtree's leaves: not a pytree node (unlike a list of
+    specs the user gave for a list argument), so flattening stops at it."""
 
 
 def _prefix_mismatch(spec: Any, value: Any, what: str, path: str = "") -> str:

@@ -11,7 +11,12 @@ them once, when it is made: the body is traced to a jaxpr with each logical
 name bound as a plain named axis, and the set of names every value varies
 along is propagated through it (names only, no data).
 
-Only plans where two names share a resource pay for this trace.
+Only plans where two names share a resource pay for this trace, and plans
+over mesh axes whose program traced a named op over mesh axes inside a
+``lax.while_loop``: a loop whose predicate varies along a name mapped to mesh
+axes runs a different trip count on those devices, and a collective over them
+inside it would deadlock (XLA:CPU aborts after a rendezvous timeout; GPUs and
+TPUs hang). The same walk refuses that.
 """
 from __future__ import annotations
 
@@ -58,8 +63,19 @@ def check_no_cooccurrence(body: Callable, plan: Plan, in_tree, flat_args: Sequen
     share a resource, or a collective over one of them takes a value varying
     along the other. Does nothing (no trace) when no names share a resource."""
     shared = shared_resources(plan)
-    if not shared:
-        return
+    if shared:
+        _analyze(body, plan, in_tree, flat_args, flat_specs, shared)
+
+
+def check_uniform_trip_counts(body: Callable, plan: Plan, in_tree, flat_args: Sequence,
+                              flat_specs: Sequence[AxisSpec]) -> None:
+    """Raises NxopsError if a ``lax.while_loop`` of ``body`` whose predicate
+    varies along a name mapped to mesh axes holds a collective over those
+    axes (the devices would run different trip counts: a deadlock)."""
+    _analyze(body, plan, in_tree, flat_args, flat_specs, shared_resources(plan))
+
+
+def _analyze(body, plan: Plan, in_tree, flat_args, flat_specs, shared) -> None:
     try:
         jaxpr = _trace_per_instance(body, plan, in_tree, flat_args, flat_specs)
     except Exception:  # noqa: BLE001
@@ -67,7 +83,17 @@ def check_no_cooccurrence(body: Callable, plan: Plan, in_tree, flat_args: Sequen
         # next, reports it (with the real resources bound).
         return
     logical = {a.vmap_name: a.name for a in plan.axes}
-    _Analysis(logical, shared).run(jaxpr.jaxpr, [Names(s.axis_names) for s in flat_specs])
+    mesh_axes = {a.name: a.mesh_axes for a in plan.axes if a.mesh_axes}
+    _Analysis(logical, shared, mesh_axes).run(jaxpr.jaxpr, [Names(s.axis_names) for s in flat_specs])
+
+
+def closed_over_constants(body: Callable, plan: Plan, in_tree, flat_args: Sequence,
+                          flat_specs: Sequence[AxisSpec]) -> list:
+    """The values ``body`` closes over (its jaxpr's constants; [] if it fails)."""
+    try:
+        return list(_trace_per_instance(body, plan, in_tree, flat_args, flat_specs).consts)
+    except Exception:  # noqa: BLE001 - the caller re-raises the program's own error
+        return []
 
 
 def _trace_per_instance(body, plan: Plan, in_tree, flat_args, flat_specs) -> ClosedJaxpr:
@@ -90,9 +116,11 @@ class _Analysis:
     """Propagates, equation by equation, the logical names each variable of a
     jaxpr varies along, and raises at the first pair sharing a resource."""
 
-    def __init__(self, logical: dict, shared: dict[frozenset, Any]):
+    def __init__(self, logical: dict, shared: dict[frozenset, Any],
+                 mesh_axes: dict[str, tuple[str, ...]] | None = None):
         self._logical = logical   # physical (vmap) name -> logical name
         self._shared = shared
+        self._mesh_axes = mesh_axes or {}   # logical name -> its mesh axes (if any)
 
     def run(self, jaxpr: Jaxpr, in_names: Sequence[Names]) -> list[Names]:
         """The names each output of ``jaxpr`` varies along, given its inputs'."""
@@ -168,8 +196,49 @@ class _Analysis:
             outs = self.run(body, body_consts + carry)
             new_carry = [c | o | pred for c, o in zip(carry, outs)]
             if new_carry == carry:
+                self._check_trip_count(pred, [cond, body], eqn)
                 return carry
             carry = new_carry
+
+    def _check_trip_count(self, pred: Names, jaxprs: list[Jaxpr], loop_eqn) -> None:
+        """Devices along the mesh axes of the names ``pred`` varies along run
+        different trip counts: no collective inside may span those axes."""
+        varying = {m: n for n in pred for m in self._mesh_axes.get(n, ())}
+        if not varying:
+            return
+        for eqn, names in self._collectives(jaxprs):
+            spanned = [m for n in names for m in self._mesh_axes.get(n, ()) if m in varying]
+            if spanned:
+                name = varying[spanned[0]]
+                raise NxopsError(
+                    f"A lax.while_loop in the xmapped function{_where(loop_eqn)} has a "
+                    f"predicate that varies along {name!r}, which axis_resources maps to mesh "
+                    f"axes {self._mesh_axes[name]}, and inside it {eqn.primitive.name} over "
+                    f"{', '.join(map(repr, sorted(names)))}{_where(eqn)} communicates across "
+                    f"mesh axis {spanned[0]!r}. The devices along it would run different trip "
+                    f"counts and the collective would deadlock (a hang on GPU/TPU, an abort "
+                    f"on CPU). Make the trip count uniform (compute the predicate from values "
+                    f"that do not vary along {name!r}, e.g. reduce it with nx.pmax over "
+                    f"{name!r}), use lax.fori_loop with static bounds (a scan), or move the "
+                    f"collective out of the loop.")
+
+    def _collectives(self, jaxprs: list[Jaxpr]):
+        """``(eqn, logical names it communicates over)`` for every collective
+        in ``jaxprs`` and the jaxprs nested in them."""
+        for jaxpr in jaxprs:
+            for eqn in jaxpr.eqns:
+                names = self._communicates_over(eqn)
+                if names:
+                    yield eqn, names
+                yield from self._collectives([_open(j) for j in core.jaxprs_in_params(eqn.params)])
+
+    def _communicates_over(self, eqn) -> Names:
+        if eqn.primitive.name in _LAX_COLLECTIVES:
+            return self._names(eqn.params[_LAX_COLLECTIVES[eqn.primitive.name][0]])
+        named = named_axes_effect(eqn.primitive, eqn.params)
+        if named is None or eqn.params.get("kind") == "tile":   # a tile is local work
+            return Names()
+        return self._names(named[0])
 
     def _cond(self, eqn, ins):
         index, operands = ins[0], ins[1:]

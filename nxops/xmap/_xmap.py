@@ -11,20 +11,23 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nxops._jax import ArrayImpl as _ArrayImpl
+from nxops._jax import core as _jax_core
 from nxops._jax import device_context as _device_context     # what jax.set_mesh sets
 from nxops._jax import legacy_mesh_context as _legacy_meshes   # what `with mesh:` sets
 from nxops._jax import mesh_lib as _mesh_lib
 from nxops._errors import NxopsError
 from nxops._typing import AxisResources
-from nxops.ops._axis_env import current_logical_axes, current_logical_axes_map, logical_axes
+from nxops.ops._axis_env import (current_logical_axes, current_logical_axes_map, logical_axes,
+                                  watch_mesh_ops_in_while)
 from nxops.xmap._plan import (Plan, check_shared_resources, mesh_in_scope,
                               normalize_axis_resources, plan_axis_resources)
-from nxops.xmap._program import build_program
+from nxops.xmap._program import build_program, explicit_mesh_constants, pinned_constants
 from nxops.xmap._resources import loops_in_scope
 from nxops.xmap._rules import check_rules, current_axis_rules, resources_from_rules
 from nxops.xmap._specs import (AxisSpec, broadcast_specs, infer_axis_sizes, parse_spec_tree,
                                spec_names)
-from nxops.xmap._variance import check_no_cooccurrence
+from nxops.xmap._variance import (check_no_cooccurrence, check_uniform_trip_counts,
+                                  closed_over_constants)
 
 # The meshes in scope when the enclosing xmap was called (None: no enclosing xmap).
 _ENCLOSING_MESH: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
@@ -162,8 +165,13 @@ class XmapFunction:
                                       jax.tree.leaves(args), flat_specs)
             program, outputs = build_program(self._fun, plan, jax.tree.structure(args),
                                              flat_specs, self._out_axes, self._user_out_axes)
-            with logical_axes(plan.logical_axes()), _enclosing_mesh():
-                results = program(*jax.tree.leaves(args))
+            tree, leaves = jax.tree.structure(args), jax.tree.leaves(args)
+            with logical_axes(plan.logical_axes()), _enclosing_mesh(), \
+                    watch_mesh_ops_in_while() as mesh_ops_in_while:
+                results = self._trace(program, plan, tree, leaves, flat_specs)
+            if mesh_ops_in_while and plan.mesh is not None:   # rare: one more trace
+                with _enclosing_mesh():
+                    check_uniform_trip_counts(self._fun, plan, tree, leaves, flat_specs)
             return jax.tree.unflatten(outputs.tree, results)
 
         run.__name__ = getattr(self._fun, "__name__", "xmapped")
@@ -172,6 +180,29 @@ class XmapFunction:
         if mesh is None or not _concrete_mesh_unset():
             return jitted
         return _UnderMesh(mesh, jitted)   # the legacy `with mesh:`
+
+    def _trace(self, program, plan: Plan, tree, leaves: list, flat_specs: list):
+        """``program(*leaves)``; on a mesh, retraced once if the body closes over
+        arrays made under an Explicit mesh, which JAX refuses inside the
+        shard_map: typed on the body's mesh (see ``_jax.pin_constant``)."""
+        try:
+            return program(*leaves)
+        except NxopsError:
+            raise
+        except Exception:
+            if plan.mesh is None:
+                raise
+            constants = explicit_mesh_constants(
+                closed_over_constants(self._fun, plan, tree, leaves, flat_specs))
+            if not constants:
+                raise
+        with pinned_constants(constants):
+            try:
+                return program(*leaves)
+            except NxopsError:
+                raise
+            except Exception as e:
+                raise _closed_over_error(constants, plan) from e
 
     def _plan(self, args: tuple, mesh: Mesh | None,
               resources: dict) -> tuple[Plan, list[AxisSpec]]:
@@ -225,6 +256,16 @@ class XmapFunction:
         return jax.tree.unflatten(tree, leaves)
 
 
+def _closed_over_error(constants: list, plan: Plan) -> NxopsError:
+    shown = ", ".join(f"{c.dtype}{list(c.shape)}" for c in constants)
+    return NxopsError(
+        f"The xmapped function closes over arrays made under a mesh with Explicit axes "
+        f"({shown}) and uses them where JAX cannot inside the shard_map over mesh axes "
+        f"{plan.mesh_axes}: values typed on the all-Explicit mesh do not mix with the "
+        f"body's partly Manual one (jax-ml/jax#29162). Pass them to the xmapped function "
+        f"as arguments (in_axes [...] replicates one), or make them outside jax.set_mesh.")
+
+
 class _UnderMesh:
     """A jitted program called under ``jax.set_mesh`` (for the legacy ``with mesh:``)."""
 
@@ -232,6 +273,8 @@ class _UnderMesh:
         self._mesh, self._jitted = mesh, jitted
 
     def __call__(self, *args):
+        if not _jax_core.trace_state_clean():   # inside jax.jit: set_mesh is refused there
+            return self._jitted(*args)
         with jax.set_mesh(self._mesh):
             return self._jitted(*args)
 

@@ -39,6 +39,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.interpreters import mlir
 
 from nxops._jax import config as jax_config
+from nxops._jax import effects as jax_effects
 from nxops._jax import pallas_core
 from nxops.kernels._registry import Kernel, register
 from nxops.kernels.pallas import _collectives_mgpu, _common
@@ -199,7 +200,7 @@ def all_gather(x: jax.Array, axis_name, *, axis: int, tiled: bool, platform: str
     axis_name = _one_axis(axis_name)
     axis = _normalize_axis(axis, x.ndim if tiled else x.ndim + 1)
     if lax.axis_size(axis_name) == 1:  # nothing to move
-        return xla_collectives.all_gather(x, axis_name, axis=axis, tiled=tiled)
+        return xla_collectives.all_gather(x, axis_name, axis=axis, tiled=tiled, platform=platform)
     return _collective(_varying(x, axis_name), "all_gather", axis_name, axis, tiled, platform)
 
 
@@ -283,7 +284,8 @@ def reduce_scatter(x: jax.Array, axis_name, *, scatter_dimension: int, tiled: bo
     n = lax.axis_size(axis_name)
     d = _normalize_axis(scatter_dimension, x.ndim)
     if n == 1:  # nothing to move
-        return xla_collectives.reduce_scatter(x, axis_name, scatter_dimension=d, tiled=tiled)
+        return xla_collectives.reduce_scatter(x, axis_name, scatter_dimension=d, tiled=tiled,
+                                              platform=platform)
     if x.shape[d] % n or (not tiled and x.shape[d] != n):
         want = f"a multiple of {n}" if tiled else f"equal to {n}"
         raise ValueError(f"reduce_scatter: dimension {d} of {x.shape} must be {want}")
@@ -325,12 +327,12 @@ def _reduce_scatter_call(x, axis_name: str, d: int, tiled: bool, platform: str):
 _CALLS = {"all_gather": _all_gather_call, "reduce_scatter": _reduce_scatter_call}
 
 
-def _reference(op: str, axis_name: str, dim: int, tiled: bool):
+def _reference(op: str, axis_name: str, dim: int, tiled: bool, platform: str):
     if op == "all_gather":
         return functools.partial(xla_collectives.all_gather, axis_name=axis_name, axis=dim,
-                                 tiled=tiled)
+                                 tiled=tiled, platform=platform)
     return functools.partial(xla_collectives.reduce_scatter, axis_name=axis_name,
-                             scatter_dimension=dim, tiled=tiled)
+                             scatter_dimension=dim, tiled=tiled, platform=platform)
 
 
 @functools.lru_cache(maxsize=256)
@@ -362,8 +364,7 @@ def _collective_fwd(x, op, axis_name, dim, tiled, platform):
 
 
 def _collective_bwd(op, axis_name, dim, tiled, platform, x, ct):
-    del platform
-    _, transpose = jax.vjp(_reference(op, axis_name, dim, tiled), x)
+    _, transpose = jax.vjp(_reference(op, axis_name, dim, tiled, platform), x)
     return transpose(ct)
 
 
@@ -424,15 +425,42 @@ _without_vma_check_p = jax.extend.core.Primitive("nxops_pallas_collective")
 _without_vma_check_p.multiple_results = True
 
 
+class InterpretCollectiveEffect(jax_effects.Effect):
+    """The host callbacks of the interpret-mode ring kernels, as one ordered
+    effect of nxops' own. They must stay ordered (the kernels share the TPU
+    interpreter's global state), but their own effect types (JAX's io_callback
+    effects) make jax.checkpoint refuse the collective ("Effects not supported
+    in partial-eval of checkpoint/remat"; GPT-J's remat'ed layers), and
+    allowing those for remat would change every io_callback. The lowering
+    threads this effect's token through the kernel's ordered callbacks."""
+
+
+_INTERPRET_EFFECT = InterpretCollectiveEffect()
+for _allowed in (jax_effects.lowerable_effects, jax_effects.control_flow_allowed_effects,
+                 jax_effects.ordered_effects, jax_effects.shardable_ordered_effects,
+                 jax_effects.remat_allowed_effects):
+    _allowed.add_type(InterpretCollectiveEffect)
+
+
 def _without_vma_check_abstract_eval(x_aval, *, fn, out_aval, kernel_effects):
     del x_aval, fn
-    return [out_aval], set(kernel_effects)
+    return [out_aval], {_INTERPRET_EFFECT} if kernel_effects else set()
 
 
 def _without_vma_check_lowering(ctx, x, *, fn, out_aval, kernel_effects):
-    del out_aval, kernel_effects
+    del out_aval
+    if not kernel_effects:
+        with jax_config._check_vma(False):
+            return mlir.lower_fun(fn, multiple_results=True)(ctx, x)
+    token = ctx.tokens_in.get(_INTERPRET_EFFECT)
+    inner = ctx.replace(tokens_in=mlir.TokenSet({
+        e: token for e in kernel_effects if jax_effects.ordered_effects.contains(e)}))
     with jax_config._check_vma(False):
-        return mlir.lower_fun(fn, multiple_results=True)(ctx, x)
+        outs = mlir.lower_fun(fn, multiple_results=True)(inner, x)
+    token_out = next((inner.tokens_out.get(e) for e in kernel_effects
+                      if jax_effects.ordered_effects.contains(e)), token)
+    ctx.set_tokens_out(mlir.TokenSet({_INTERPRET_EFFECT: token_out}))
+    return outs
 
 
 _without_vma_check_p.def_effectful_abstract_eval(_without_vma_check_abstract_eval)

@@ -117,7 +117,18 @@ def triton_matmul_config(n_m: int, n_n: int, n_k: int, itemsize: int,
     return bm, bn, bk, warps, stages
 
 
-def _matmul_kernel_triton(a_ref, b_ref, o_ref, *, bm: int, bn: int, bk: int, precision):
+def _block_dot(a, b, precision, interpret: bool):
+    """``a @ b`` accumulated in f32. In interpret mode (XLA:CPU) 16-bit blocks
+    are upcast first: XLA:CPU has no bf16 x bf16 -> f32 dot (DotThunk), and
+    the exact f32 products of 16-bit values summed in f32 are what the GPU/TPU
+    kernels compute. The compiled kernels keep the native 16-bit dot."""
+    if interpret and jnp.dtype(a.dtype).itemsize < 4:
+        a, b = a.astype(F32), b.astype(F32)
+    return jnp.dot(a, b, precision=precision, preferred_element_type=F32)
+
+
+def _matmul_kernel_triton(a_ref, b_ref, o_ref, *, bm: int, bn: int, bk: int, precision,
+                          interpret: bool):
     _, n_m, n_k = a_ref.shape
     n_n = b_ref.shape[2]
     batch = pl.program_id(0)
@@ -132,7 +143,7 @@ def _matmul_kernel_triton(a_ref, b_ref, o_ref, *, bm: int, bn: int, bk: int, pre
                        mask=(a_rows < n_m) & (a_k < n_k), other=0.0)
         b = plgpu.load(b_ref.at[batch, pl.ds(kk * bk, bk), pl.ds(j * bn, bn)],
                        mask=(b_k < n_k) & (b_cols < n_n), other=0.0)
-        return acc + jnp.dot(a, b, precision=precision, preferred_element_type=F32)
+        return acc + _block_dot(a, b, precision, interpret)
 
     acc = lax.fori_loop(0, pl.cdiv(n_k, bk), step, jnp.zeros((bm, bn), F32))
     out_rows = i * bm + lax.broadcasted_iota(jnp.int32, (bm, bn), 0)
@@ -141,7 +152,8 @@ def _matmul_kernel_triton(a_ref, b_ref, o_ref, *, bm: int, bn: int, bk: int, pre
                 mask=(out_rows < n_m) & (out_cols < n_n))
 
 
-def _matmul_kernel_mosaic(a_ref, b_ref, o_ref, acc_ref, *, n_k: int, precision):
+def _matmul_kernel_mosaic(a_ref, b_ref, o_ref, acc_ref, *, n_k: int, precision,
+                          interpret: bool):
     kk = pl.program_id(3)
     a, b = a_ref[...], b_ref[...]
     bk = a.shape[1]
@@ -155,7 +167,7 @@ def _matmul_kernel_mosaic(a_ref, b_ref, o_ref, acc_ref, *, n_k: int, precision):
     def _init():
         acc_ref[...] = jnp.zeros(acc_ref.shape, F32)
 
-    acc_ref[...] += jnp.dot(a, b, precision=precision, preferred_element_type=F32)
+    acc_ref[...] += _block_dot(a, b, precision, interpret)
 
     @pl.when(kk == pl.num_programs(3) - 1)
     def _finish():
@@ -171,7 +183,8 @@ def batched_matmul(a3, b3, out_dtype, precision, target: Target) -> jax.Array:
         itemsize = max(jnp.dtype(a3.dtype).itemsize, jnp.dtype(b3.dtype).itemsize)
         bm, bn, bk, warps, stages = triton_matmul_config(n_m, n_n, n_k, itemsize)
         return pl.pallas_call(
-            functools.partial(_matmul_kernel_triton, bm=bm, bn=bn, bk=bk, precision=precision),
+            functools.partial(_matmul_kernel_triton, bm=bm, bn=bn, bk=bk, precision=precision,
+                              interpret=target.interpret),
             out_shape=out_shape,
             grid=(n_batch, pl.cdiv(n_m, bm) * pl.cdiv(n_n, bn)),   # tiles in grouped order
             name="nxops_dot_general",
@@ -182,7 +195,8 @@ def batched_matmul(a3, b3, out_dtype, precision, target: Target) -> jax.Array:
     bn = _common.block_size(style, n_n, "n", align=128)
     bk = _common.block_size(style, n_k, "k", align=128)
     return pl.pallas_call(
-        functools.partial(_matmul_kernel_mosaic, n_k=n_k, precision=precision),
+        functools.partial(_matmul_kernel_mosaic, n_k=n_k, precision=precision,
+                          interpret=target.interpret),
         out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=0,

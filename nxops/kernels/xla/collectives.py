@@ -2,6 +2,7 @@
 (NCCL on GPU, ICI on TPU). Called inside ``shard_map`` bodies."""
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -13,6 +14,34 @@ from nxops._jax import vma_checked
 from nxops.kernels._registry import PLATFORMS, Kernel, register
 
 
+# XLA:CPU aborts the process (CHECK "Invalid binary instruction opcode copy")
+# compiling a bf16/f16 all-reduce or reduce-scatter over part of a mesh (or a
+# size-1 mesh axis). On CPU every collective that sums -- psum, reduce-scatter,
+# and all-gather, whose transpose is a reduce-scatter -- runs on f32 values.
+CPU_UNSAFE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def summed_in_f32_on_cpu(collective):
+    """``collective(x, ..., platform=)`` computed in f32 for 16-bit floats on
+    CPU (the sums round once, at the end); other platforms and dtypes as is.
+    The casts are linear, so the derivatives' collectives are f32 too."""
+    @functools.wraps(collective)
+    def run(x, *args, platform: str = "cpu", **params):
+        if platform == "cpu" and jnp.dtype(x.dtype) in CPU_UNSAFE_DTYPES:
+            out = collective(x.astype(jnp.float32), *args, platform=platform, **params)
+            return out.astype(x.dtype)
+        return collective(x, *args, platform=platform, **params)
+    return run
+
+
+@summed_in_f32_on_cpu
+def psum(x: jax.Array, axis_name, *, platform: str = "cpu") -> jax.Array:
+    """``lax.psum``: one all-reduce over ``axis_name``."""
+    del platform
+    return lax.psum(x, axis_name)
+
+
+@summed_in_f32_on_cpu
 def all_gather(x: jax.Array, axis_name, *, axis: int, tiled: bool, platform: str = "cpu") -> jax.Array:
     """``lax.all_gather``: one all-gather over ``axis_name`` (a name or tuple).
 
@@ -31,6 +60,7 @@ def all_gather(x: jax.Array, axis_name, *, axis: int, tiled: bool, platform: str
     return lax.all_gather(x, axis_name, axis=axis, tiled=tiled, to="varying")
 
 
+@summed_in_f32_on_cpu
 def reduce_scatter(x: jax.Array, axis_name, *, scatter_dimension: int, tiled: bool,
                    platform: str = "cpu") -> jax.Array:
     """``lax.psum_scatter``: one reduce-scatter over ``axis_name``.
