@@ -1,6 +1,8 @@
 # Sourced by the README commands: makes a venv in the repo root (once; .venv,
 # or $NXOPS_VENV) and installs nxops with the extras in NXOPS_EXTRAS (default:
-# test) into it, with $NXOPS_JAX (e.g. "jax==0.12.0.1") when set.
+# test) into it. With $NXOPS_JAX (e.g. "jax==0.12.0.1") that JAX goes in
+# first, as a user's venv has it; installing nxops must keep it (CI checks:
+# ci/py313_check.py).
 # pip's output goes to <venv>/install.log; only a failure shows it.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -15,7 +17,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "installing nxops[$NXOPS_EXTRAS] ${NXOPS_JAX:-} into $VENV (first run only; log: $VENV/install.log)"
   [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
   if ! { "$VENV/bin/python" -m pip install --upgrade pip \
-         && "$VENV/bin/python" -m pip install -e ".[$NXOPS_EXTRAS]" ${NXOPS_JAX:+"$NXOPS_JAX"}; } \
+         && { [ -z "${NXOPS_JAX:-}" ] || "$VENV/bin/python" -m pip install "$NXOPS_JAX"; } \
+         && "$VENV/bin/python" -m pip install -e ".[$NXOPS_EXTRAS]"; } \
        > "$VENV/install.log" 2>&1; then
     grep -iE "error|conflict" "$VENV/install.log" | tail -20 >&2
     echo "pip install failed; full log: $VENV/install.log" >&2

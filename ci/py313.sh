@@ -57,7 +57,7 @@ case "${1:-}" in
     fi
     mount_all
     # The same venv script as the README's commands, in .venv-py313 (the host's is .venv).
-    in_chroot "NXOPS_EXTRAS=test,compile,triton source ci/_venv.sh && python -c 'import jax, nxops; print(\"python\", __import__(\"sys\").version.split()[0], \"jax\", jax.__version__)'"
+    in_chroot "NXOPS_EXTRAS=test,compile,triton source ci/_venv.sh && python ci/py313_check.py $JAX_VERSION"
     ;;
   run)
     shift

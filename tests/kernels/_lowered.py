@@ -15,13 +15,19 @@ import jax
 from jax._src.lib import tpu as tpu_dialect
 from jax._src.lib.mlir import ir
 
+from nxops.kernels import kernel_mesh
+
 TRITON_CALL = "__gpu$xla.gpu.triton"
 MOSAIC_CALL = "tpu_custom_call"
 CALL_TARGET = {"cuda": TRITON_CALL, "tpu": MOSAIC_CALL}
 
 
 def lower_text(fn, *args, platform):
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    """``fn`` lowered for ``platform`` on this CPU machine. Kernels called
+    directly (not through an nxops op) are traced in the mesh the ops give them:
+    for cuda it names the target GPU, which JAX >= 0.11 needs without a GPU."""
+    with jax.sharding.use_abstract_mesh(kernel_mesh(platform)):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
 
 
 def triton_calls(text):
