@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -154,7 +155,12 @@ def _split_axis_argument(x, axis, *, op: str) -> tuple[tuple[int, ...], tuple]:
         if isinstance(item, bool) or item is None:
             raise NxopsError(f"nx.{op}: axis {axis!r} contains {item!r}; use ints for "
                              f"positional axes and strings for named axes.")
-        if isinstance(item, int):
+        if isinstance(item, numbers.Number) and not isinstance(item, numbers.Integral):
+            raise NxopsError(f"nx.{op}: axis {axis!r} contains the {type(item).__name__} "
+                             f"{item!r}; use an int for a positional axis (e.g. "
+                             f"{int(getattr(item, 'real', 0))}) or a string for a named axis.")
+        if isinstance(item, numbers.Integral):
+            item = int(item)
             if not -ndim <= item < ndim:
                 raise NxopsError(f"nx.{op}: positional axis {item} is out of range for an "
                                  f"array of shape {jnp.shape(x)} (rank {ndim}).")
@@ -216,10 +222,25 @@ def _reduce_resolved(x, positional, vmap_names, mesh_names, op: str):
     return _mesh_prod(y, mesh_names)
 
 
+def _check_extremum_not_empty(x, axis, positional, vmap_names, op: str, public: str):
+    """A max/min over no elements has no value: say so (jnp raises a bare ValueError)."""
+    if op not in ("max", "min"):
+        return
+    sizes = [x.shape[a] for a in positional] + [lax.axis_size(n) for n in vmap_names]
+    if 0 in sizes:
+        raise NxopsError(
+            f"nx.{public}(x, {axis!r}) reduces over a dimension of size 0 (x has local "
+            f"shape {x.shape}): the {op}imum of no elements is undefined. Check the size "
+            f"before reducing, or pad the axis with {'-inf' if op == 'max' else 'inf'} "
+            f"(or the dtype's {'lowest' if op == 'max' else 'highest'} value).")
+
+
 def reduce(x, axis, op: str, *, public_name: str | None = None):
     """Reduces ``x`` with ``op`` over ``axis`` (ints, names, or a tuple of both)."""
     x = jnp.asarray(x)
-    return _reduce_resolved(x, *_resolve_axes(x, axis, public_name or op), op)
+    resolved = _resolve_axes(x, axis, public_name or op)
+    _check_extremum_not_empty(x, axis, *resolved[:2], op, public_name or op)
+    return _reduce_resolved(x, *resolved, op)
 
 
 def sum(x: ArrayLike, axis: Axis) -> jax.Array:  # noqa: A001 - mirrors jnp.sum

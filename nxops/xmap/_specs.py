@@ -8,6 +8,7 @@ Errors quote the spec as the user wrote it.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any, Sequence
 
 import jax
@@ -22,6 +23,9 @@ class AxisSpec:
     names: tuple[tuple[int, str], ...]
     rank: int | None
     user_repr: str
+    # The positional dims the spec lists (names and Nones, before any ...):
+    # an array has at least that many.
+    min_rank: int = 0
 
     @property
     def mapping(self) -> dict[int, str]:
@@ -55,50 +59,63 @@ def _is_position(key: Any) -> bool:
     return isinstance(key, int) and not isinstance(key, bool)
 
 
-def _check_dict_specs(tree: Any, what: str) -> None:
-    """A dict with a positional (int or bool) key is meant as one spec: all its
-    keys must be positions (``{True: 'a'}`` is not position 1)."""
+def _check_dict_specs(tree: Any, what: str, whole: Any) -> None:
+    """A dict with a numeric key (int, bool, float) is meant as one spec: all its
+    keys must be positions (``{True: 'a'}`` is not position 1, ``{0.5: 'a'}``
+    no position at all)."""
     if isinstance(tree, dict):
-        if any(isinstance(k, int) for k in tree) and not is_axes_leaf(tree):
-            raise _spec_error(what, tree)
+        if any(isinstance(k, numbers.Number) for k in tree) and not is_axes_leaf(tree):
+            raise _spec_error(what, tree, whole)
         for value in tree.values():
-            _check_dict_specs(value, what)
+            _check_dict_specs(value, what, whole)
     elif isinstance(tree, (list, tuple)) and not is_axes_leaf(tree):
+        if any(e is Ellipsis for e in tree):
+            # A list holding ... is one spec, not a container of specs: say which
+            # entry of it is not a name ([('a',), ...] holds a tuple).
+            raise _spec_error(what, tree, whole)
         for value in tree:
-            _check_dict_specs(value, what)
+            _check_dict_specs(value, what, whole)
 
 
-def _spec_error(what: str, entry: Any) -> NxopsError:
+def _quote(tree: Any) -> str:
+    return repr(tree).replace("Ellipsis", "...")
+
+
+def _spec_error(what: str, entry: Any, whole: Any = None) -> NxopsError:
+    where = "" if whole is None or whole is entry else f" (in {what}={_quote(whole)})"
     return NxopsError(
-        f"Invalid xmap {what} entry {entry!r}. A spec is either a list of axis names "
+        f"Invalid xmap {what} entry {_quote(entry)}{where}. A spec is either a list of axis names "
         f"(str), with None for a positional dimension and an optional trailing ... "
         f"(e.g. ['batch', None, ...]), or a dict from positional dimension (int >= 0) "
         f"to axis name (e.g. {{0: 'batch'}}); [...], [] and {{}} mean no named axes. "
         f"Specs may be nested in a pytree prefix of the {what[:-5] or 'value'}s.")
 
 
-def parse_spec(entry: Any, what: str) -> AxisSpec:
-    """Parses one spec leaf; ``what`` is 'in_axes' or 'out_axes' (for messages)."""
+def parse_spec(entry: Any, what: str, whole: Any = None) -> AxisSpec:
+    """Parses one spec leaf; ``what`` is 'in_axes' or 'out_axes' (for messages),
+    ``whole`` the user's whole spec tree (quoted when it is more than ``entry``)."""
     if isinstance(entry, dict):
         if not is_axes_leaf(entry):
-            raise _spec_error(what, entry)
+            raise _spec_error(what, entry, whole)
         user_repr = _show_entry(entry)
         if any(pos < 0 for pos in entry):
             raise NxopsError(
                 f"xmap doesn't support negative axes in {what}, but got {user_repr}: "
                 f"count positional dimensions from the front (0, 1, ...).")
         pairs, rank = sorted(entry.items()), None
+        min_rank = max(entry) + 1 if entry else 0
     elif isinstance(entry, (list, tuple)):
         if not is_axes_leaf(entry) or Ellipsis in entry[:-1]:
-            raise _spec_error(what, entry)
+            raise _spec_error(what, entry, whole)
         user_repr = _show_entry(entry)
         if entry and entry[-1] is Ellipsis:
             entry, rank = entry[:-1], None
         else:
             rank = len(entry)
+        min_rank = len(entry)
         pairs = [(pos, name) for pos, name in enumerate(entry) if name is not None]
     else:
-        raise _spec_error(what, entry)
+        raise _spec_error(what, entry, whole)
     names = [name for _, name in pairs]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -106,7 +123,7 @@ def parse_spec(entry: Any, what: str) -> AxisSpec:
             f"Named axes should be unique within each {what} specification, but "
             f"{user_repr} names {', '.join(map(repr, duplicates))} more than once: "
             f"a value has at most one dimension per named axis.")
-    return AxisSpec(tuple(pairs), rank, user_repr)
+    return AxisSpec(tuple(pairs), rank, user_repr, min_rank)
 
 
 def parse_spec_tree(tree: Any, what: str) -> Any:
@@ -115,13 +132,16 @@ def parse_spec_tree(tree: Any, what: str) -> Any:
     A top-level list of specs means a tuple (lists and tuples are interchangeable
     at the top level, as in the old xmap).
     """
+    whole = tree
     if isinstance(tree, list) and not is_axes_leaf(tree):
+        if any(e is Ellipsis for e in tree):   # meant as one spec
+            raise _spec_error(what, whole)
         tree = tuple(tree)
     if is_axes_leaf(tree):
         return parse_spec(tree, what)
-    _check_dict_specs(tree, what)
+    _check_dict_specs(tree, what, whole)
     # Any other leaf (a str, an int, ...) is not a spec: parse_spec raises.
-    return jax.tree.map(lambda e: parse_spec(e, what), tree, is_leaf=is_axes_leaf)
+    return jax.tree.map(lambda e: parse_spec(e, what, whole), tree, is_leaf=is_axes_leaf)
 
 
 def spec_names(parsed_tree: Any) -> list[str]:
@@ -228,12 +248,13 @@ def check_input_rank(spec: AxisSpec, shape: Sequence[int], path: str) -> None:
             f"which asserts that it should be of rank {spec.rank}, but the argument has "
             f"rank {ndim} (and shape {tuple(shape)}). End the spec with ... to allow "
             f"extra positional dimensions.")
-    if spec.names and spec.names[-1][0] >= ndim:
+    if spec.min_rank > ndim:
         raise NxopsError(
             f"One of xmap arguments{_where(path)} has an in_axes specification of "
             f"{spec.user_repr}, which implies that it has at least "
-            f"{spec.names[-1][0] + 1} dimensions, but the argument has rank {ndim} "
-            f"(and shape {tuple(shape)}).")
+            f"{spec.min_rank} dimensions, but the argument has rank {ndim} "
+            f"(and shape {tuple(shape)}). List one entry (a name or None) per "
+            f"dimension it has, at most.")
 
 
 def check_output_rank(spec: AxisSpec, positional_shape: Sequence[int], path: str) -> None:
@@ -246,8 +267,8 @@ def check_output_rank(spec: AxisSpec, positional_shape: Sequence[int], path: str
             f"the body returned a value of shape {tuple(positional_shape)}, so the "
             f"result would have rank {ndim}. End the spec with ... to allow extra "
             f"positional dimensions.")
-    if spec.names and spec.names[-1][0] >= ndim:
-        needed = spec.names[-1][0] + 1 - len(spec.names)
+    if spec.min_rank > ndim:
+        needed = spec.min_rank - len(spec.names)
         raise NxopsError(
             f"One of xmap results{_where(path)} has an out_axes specification of "
             f"{spec.user_repr}, which requires the result of the xmapped function to "

@@ -72,12 +72,20 @@ class XmapFunction:
                 raise NxopsError(f"axis_sizes[{name!r}] = {size!r}: sizes are positive ints.")
         in_names = spec_names(self._in_axes)
         defined = list(dict.fromkeys(in_names + list(self._axis_sizes)))
-        missing = [n for n in spec_names(self._out_axes) if n not in defined]
+        out_names = spec_names(self._out_axes)
+        missing = [n for n in out_names if n not in defined]
         if missing:
             raise NxopsError(
                 f"All axis names appearing in out_axes must also appear in in_axes or "
                 f"axis_sizes, but the following are missing: {', '.join(map(repr, missing))} "
                 f"(out_axes={out_axes!r}). Give their sizes with axis_sizes={{name: size}}.")
+        unused = [n for n in self._axis_sizes if n not in in_names + out_names]
+        if unused:
+            # Likely a misspelled name: a size nothing uses would define a name silently.
+            raise NxopsError(
+                f"axis_sizes={self._axis_sizes!r} gives the size of {', '.join(map(repr, unused))}, "
+                f"which no in_axes or out_axes names (in_axes={_quote(in_axes)}, "
+                f"out_axes={_quote(out_axes)}). Remove it, or check the spelling of the names.")
         self._names = defined
         # A rule table resolves now; no axis_resources at all follows the
         # nx.axis_rules(...) in scope at each call (part of the context key).
@@ -87,6 +95,10 @@ class XmapFunction:
         self._resources = normalize_axis_resources(axis_resources, defined)
         self._donate_argnums = ((donate_argnums,) if isinstance(donate_argnums, int)
                                 else tuple(donate_argnums))
+        if any(not isinstance(i, int) or isinstance(i, bool) or i < 0
+               for i in self._donate_argnums):
+            raise NxopsError(f"donate_argnums={donate_argnums!r}: give argument positions "
+                             f"as ints >= 0.")
         self._backend = backend
         self._by_context: dict[tuple, Any] = _shared_jits(fun, (
             _hashable_tree(self._in_axes), _hashable_tree(self._out_axes),
@@ -113,6 +125,9 @@ class XmapFunction:
             jitted = self._jitted_for(probe)
         try:
             return jitted(*args)
+        except TypeError as e:
+            # jit could not abstract an argument: name it (jit names xmap's inner `run`).
+            raise _non_array_argument_error(args) or e
         except ValueError as e:
             # Checked only after a failure, so the common call pays nothing.
             if isinstance(e, NxopsError):
@@ -207,6 +222,12 @@ class XmapFunction:
     def _plan(self, args: tuple, mesh: Mesh | None,
               resources: dict) -> tuple[Plan, list[AxisSpec]]:
         """Checks the arguments against the specs and plans every named axis."""
+        beyond = [i for i in self._donate_argnums if i >= len(args)]
+        if beyond:
+            raise NxopsError(
+                f"donate_argnums={self._donate_argnums!r} names argument position(s) "
+                f"{', '.join(map(str, beyond))}, but the call passes {len(args)} "
+                f"argument(s): donate only positions 0..{len(args) - 1}.")
         enclosing = _ENCLOSING_MESH.get()
         if enclosing is not None and enclosing != _meshes_in_scope():
             raise NxopsError(
@@ -301,6 +322,24 @@ def _shared_jits(fun: Callable, definition: tuple) -> dict:
         return _SHARED.setdefault(fun, {}).setdefault(definition, {})
     except TypeError:   # fun not weak-referenceable, or a definition part unhashable
         return {}
+
+
+def _quote(spec: Any) -> str:
+    return repr(spec).replace("Ellipsis", "...")
+
+
+def _non_array_argument_error(args: tuple) -> NxopsError | None:
+    """The error for an argument that is not an array (a str, an object), if any."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(args)[0]:
+        try:
+            jax.typeof(leaf)
+        except TypeError:
+            return NxopsError(
+                f"xmap argument args{jax.tree_util.keystr(path)} is a {type(leaf).__name__} "
+                f"({leaf!r:.60}), not an array: xmapped functions take arrays, scalars "
+                f"and pytrees of them. Close over other values (functools.partial or a "
+                f"lambda) instead of passing them.")
+    return None
 
 
 def _process_local_inputs(args: tuple) -> bool:

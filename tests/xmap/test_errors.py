@@ -294,3 +294,69 @@ def test_einsum_over_two_names_sharing_a_mesh_axis_is_refused():
                 axis_resources={"a": "x"})
     with jax.set_mesh(mesh):
         np.testing.assert_allclose(g(u, v), u.sum() * v.sum())
+
+
+# -- issue 20: unclear errors, each with the exact call ----------------------
+
+def test_dict_spec_with_a_float_key_quotes_the_whole_spec():
+    with _raises(re.escape("entry {0.5: 'a'} (in in_axes=[{0.5: 'a'}])")):
+        xmap(lambda x: x, in_axes=[{0.5: "a"}], out_axes=["a", ...])
+
+
+def test_tuple_inside_a_list_spec_quotes_the_whole_spec():
+    with _raises(re.escape("entry [('a',), ...] (in in_axes=[[('a',), ...]])")):
+        xmap(lambda x: x, in_axes=[[("a",), ...]], out_axes=["a", ...])
+
+
+def test_spec_listing_more_dims_than_the_argument_has():
+    f = xmap(lambda x: x, in_axes=["a", None, None, ...], out_axes=["a", ...])
+    with _raises(re.escape("['a', None, None, ...], which implies that it has at least 3 "
+                           "dimensions, but the argument has rank 2")):
+        f(jnp.ones((2, 3)))
+
+
+def test_axis_sizes_for_a_name_no_spec_uses():
+    with _raises(r"axis_sizes=\{'zz': 3\} gives the size of 'zz', which no in_axes or out_axes"):
+        xmap(lambda x: x, ["a", ...], ["a", ...], axis_sizes={"zz": 3})
+
+
+def test_donate_argnums_beyond_the_arguments():
+    f = xmap(lambda x: x, ["a", ...], ["a", ...], donate_argnums=5)
+    with _raises(r"donate_argnums=\(5,\) names argument position\(s\) 5, but the call passes 1"):
+        np.asarray(f(jnp.ones((2, 3))))
+
+
+def test_negative_donate_argnums():
+    with _raises(r"donate_argnums=-1: give argument positions as ints >= 0"):
+        xmap(lambda x: x, ["a", ...], ["a", ...], donate_argnums=-1)
+
+
+def test_string_argument_is_named():
+    f = xmap(lambda x: x, ["a", ...], ["a", ...])
+    with _raises(r"xmap argument args\[0\] is a str \('abc'\), not an array"):
+        f("abc")
+
+
+def test_float_axis_of_a_reduction():
+    f = xmap(lambda x: nx.sum(x, 1.0), ["a", ...], ["a", ...])
+    with _raises(r"nx.sum: axis 1.0 contains the float 1.0; use an int for a positional axis"):
+        f(jnp.ones((2, 3)))
+
+
+def test_numpy_int_axis_is_positional():
+    f = xmap(lambda x: nx.sum(x, np.int64(0)), ["a", ...], ["a", ...])
+    np.testing.assert_array_equal(np.asarray(f(jnp.ones((2, 3)))), np.full(2, 3.0))
+
+
+def test_explain_for_an_unknown_platform():
+    with _raises(r"explain\(platform='quantum'\): nxops lowers for 'cpu', 'cuda', 'rocm', 'tpu'"):
+        nx.kernels.explain(lambda x: nx.sum(x, 0), jnp.ones(3), platform="quantum")
+
+
+@pytest.mark.parametrize("op", ["max", "min", "pmax"])
+@pytest.mark.parametrize("resources", [{}, {"a": "x"}], ids=str)
+def test_extremum_over_a_size_0_name(op, resources, mesh):
+    reduce = getattr(nx, op)
+    f = xmap(lambda x: reduce(x, "a"), ["a", ...], [...], axis_resources=resources)
+    with jax.set_mesh(mesh), _raises(rf"nx.{op}\(x, .*'a'.*\) reduces over a dimension of size 0"):
+        np.asarray(f(jnp.ones((0, 3))))
