@@ -30,6 +30,7 @@ from nxops._jax import pin_constant as _pin_constant
 from nxops._errors import NxopsError
 from nxops.ops._axis_env import TileAxisName, loop_step
 from nxops.xmap._plan import Plan, check_shared_resources
+from nxops.xmap._raw_lax import raw_lax_error
 from nxops.xmap._specs import AxisSpec, broadcast_specs, check_output_rank
 
 
@@ -249,7 +250,13 @@ def _loop_level(loop, inner: Inner, outputs: _Outputs) -> Inner:
 def _body_level(body: Callable, in_tree, plan: Plan, out_axes: Any, user_out_axes: Any,
                 outputs: _Outputs) -> Inner:
     def level(flat: list, layouts: list) -> tuple[list, list]:
-        result = body(*jax.tree.unflatten(in_tree, flat))
+        try:
+            result = body(*jax.tree.unflatten(in_tree, flat))
+        except NameError as e:   # a raw jax.lax/jnp call on an xmap name
+            error = raw_lax_error(e)
+            if error is None:
+                raise
+            raise error from e
         path_leaves, tree = jax.tree_util.tree_flatten_with_path(result)
         leaves = [jnp.asarray(x) for _, x in path_leaves]
         specs = broadcast_specs(out_axes, result, "out_axes", user_out_axes)

@@ -217,10 +217,10 @@ def test_mesh_axis_already_used_by_enclosing_xmap(mesh):
 
 def test_raw_psum_over_a_looped_name_is_unbound():
     # A looped name's vmap tile is mangled, so raw lax.psum cannot silently
-    # reduce over one chunk only.
+    # reduce over one chunk only; the error names nx.psum.
     f = xmap(lambda x: jax.lax.psum(x, "a"), ["a", ...], [...],
              axis_resources={"a": SerialLoop(2)})
-    with pytest.raises(NameError):
+    with _raises(r"jax.lax.psum over 'a'.*mapped to serial loops .*Use nx.psum"):
         f(X)
 
 
@@ -360,3 +360,45 @@ def test_extremum_over_a_size_0_name(op, resources, mesh):
     f = xmap(lambda x: reduce(x, "a"), ["a", ...], [...], axis_resources=resources)
     with jax.set_mesh(mesh), _raises(rf"nx.{op}\(x, .*'a'.*\) reduces over a dimension of size 0"):
         np.asarray(f(jnp.ones((0, 3))))
+
+
+# -- raw jax.lax / jnp on xmap names: the nx op to use (issues 19, 20 g02) ----
+
+RAW_CALLS = [
+    ("jax.lax.pmean", lambda x: jax.lax.pmean(x, "batch"), "nx.pmean"),
+    ("jax.lax.psum", lambda x: jax.lax.psum(x, "batch"), "nx.psum"),
+    ("jax.lax.pmax", lambda x: jax.lax.pmax(x, "batch"), "nx.pmax"),
+    ("jax.lax.pmin", lambda x: jax.lax.pmin(x, "batch"), "nx.pmin"),
+    ("jax.lax.all_gather", lambda x: jax.lax.all_gather(x, "batch")[0], "nx.all_gather"),
+    ("jax.lax.ppermute", lambda x: jax.lax.ppermute(x, "batch", [(0, 1), (1, 0)]), "nx.ppermute"),
+    ("jax.lax.all_to_all", lambda x: jax.lax.all_to_all(x, "batch", 0, 0), "nx.all_to_all"),
+    ("jax.lax.psum_scatter", lambda x: jax.lax.psum_scatter(x, "batch", tiled=True),
+     "nx.psum_scatter"),
+    ("jax.lax.axis_index", lambda x: x * jax.lax.axis_index("batch"), "nx.axis_index"),
+]
+
+
+@pytest.mark.parametrize("call,body,replacement", RAW_CALLS, ids=[c[0] for c in RAW_CALLS])
+def test_raw_lax_collective_on_a_mesh_mapped_name(call, body, replacement):
+    f = xmap(body, ["batch", ...], ["batch", ...], axis_resources={"batch": "x"})
+    with jax.set_mesh(jax.make_mesh((2,), ("x",))):
+        with _raises(rf"{re.escape(call)} over 'batch' in the xmapped function: 'batch' is an "
+                     rf"nx.xmap name, mapped to mesh axes \('x',\).*Use {re.escape(replacement)}"):
+            f(jnp.ones((2, 2)))
+
+
+@pytest.mark.parametrize("resources", [{"batch": "x"}, {}], ids=str)
+def test_jnp_sum_over_a_name_names_nx_sum(resources):
+    f = xmap(lambda x: x * 0 + jnp.sum(x, axis="batch"), ["batch", ...], ["batch", ...],
+             axis_resources=resources)
+    with jax.set_mesh(jax.make_mesh((2,), ("x",))):
+        with _raises(r"jnp.sum\(x, axis='batch'\) in the xmapped function: jnp reductions take "
+                     r"positional \(int\) axes only.*nx.sum\(x, 'batch'\)"):
+            f(jnp.ones((2, 2)))
+
+
+def test_raw_psum_on_an_unknown_name():
+    f = xmap(lambda x: jax.lax.psum(x, "nope"), ["batch", ...], ["batch", ...])
+    with _raises(r"jax.lax.psum over 'nope'.*'nope' is not an axis name bound here "
+                 r"\(xmap names: 'batch'\). Use nx.psum"):
+        f(jnp.ones((2, 2)))
