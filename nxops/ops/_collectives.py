@@ -66,12 +66,21 @@ def _auto_partitioned_axes_here() -> bool:
                for name, size in zip(mesh.axis_names, mesh.axis_sizes))
 
 
+# The reference implementation of each mesh collective (its result's shape).
+_XLA_COLLECTIVES = {"all_gather": xla_collectives.all_gather,
+                    "reduce_scatter": xla_collectives.reduce_scatter}
+
+
 def _mesh_collective(op: str, x, mesh_names: tuple[str, ...], **params):
     """Runs collective ``op`` over ``mesh_names`` in the kernel the registry
     picks for this mesh's platform (one collective over all the names)."""
     platform = _mesh_platform()
     axis_name = _one_or_tuple(mesh_names)
     aval = jax.typeof(x)
+    if x.size == 0:
+        # No data to move; XLA's verifier rejects a zero-size all-gather dim.
+        out = jax.eval_shape(lambda v: _XLA_COLLECTIVES[op](v, axis_name, **params), x)
+        return jnp.zeros(out.shape, out.dtype)
     choice = _kernels.choose(op, platform, _kernels.current_selection(), (aval,),
                               _auto_partitioned_axes_here(), axis_name=axis_name, **params)
     _kernels.report(op, choice, (aval,))
@@ -208,6 +217,7 @@ def psum_scatter(x: ArrayLike, axis_name: AxisNames, *, scatter_dimension: int =
     total = 1
     for n in physical:
         total *= lax.axis_size(n)
+    _check_not_size_0(axis_name, total, "psum_scatter")
     if x.shape[dim] % total:
         raise NxopsError(f"nx.psum_scatter: dim {dim} of x (shape {x.shape}) has size {x.shape[dim]}, "
                          f"not divisible by the size {total} of {axis_name!r}.")
@@ -216,6 +226,9 @@ def psum_scatter(x: ArrayLike, axis_name: AxisNames, *, scatter_dimension: int =
                          f"have the size {total} of {axis_name!r}; use tiled=True to scatter tiles.")
     if not vmap_names and not mesh_names:
         return lax.psum_scatter(x, physical, scatter_dimension=dim, tiled=tiled)
+    # The sum's dtype is jnp.sum's (bool, int8 -> int32) on every placement: the
+    # vmap part promotes, XLA's reduce-scatter over the mesh would not (or refuse bool).
+    x = x.astype(jax.eval_shape(jnp.sum, jax.ShapeDtypeStruct((), x.dtype)).dtype)
     if mesh_names:  # major names first: one reduce-scatter over the mesh
         x = _mesh_collective("reduce_scatter", x, mesh_names, scatter_dimension=dim, tiled=True)
     if vmap_names:
@@ -244,6 +257,8 @@ def _check_all_to_all(x, axis_name, size, split_axis, concat_axis, tiled):
                              f"{x.shape}; use an int in [{-x.ndim}, {x.ndim}).")
     split_axis, concat_axis = split_axis % x.ndim, concat_axis % x.ndim
     length = x.shape[split_axis]
+    if tiled:
+        _check_not_size_0(axis_name, size, "all_to_all")
     if (length % size if tiled else length != size):
         need = f"a multiple of {size}" if tiled else f"exactly {size}"
         raise NxopsError(f"nx.all_to_all: dim {split_axis} of x (shape {x.shape}) has size {length}; "
@@ -416,6 +431,14 @@ def _tile_as_reduce_scatter(x, mesh_names: tuple, dim: int):
     return psum_scatter(partial, mesh_names, scatter_dimension=dim, tiled=True)
 
 
+def _check_not_size_0(name, size: int, op: str) -> None:
+    if size == 0:
+        raise NxopsError(
+            f"nx.{op} over {name!r}, a named axis of size 0: there are no positions to "
+            f"split the value among (a tile of 1/0 of it is undefined). Skip the op when "
+            f"the axis is empty, or give {name!r} a size of at least 1.")
+
+
 def tile(x: ArrayLike, axes: Tiling) -> jax.Array:
     """This position's tile of ``x`` (replicated over the names) along each
     ``{name: dim}``: ``x`` split into ``axis_size(name)`` equal tiles along
@@ -424,6 +447,7 @@ def tile(x: ArrayLike, axes: Tiling) -> jax.Array:
     for name, dim in axes.items():
         dim %= x.ndim
         size = axis_size(name)
+        _check_not_size_0(name, size, "tile")
         if x.shape[dim] % size:
             raise NxopsError(f"nx.tile: dim {dim} of x (shape {x.shape}) has size {x.shape[dim]}, "
                              f"not divisible by the size {size} of {name!r}.")

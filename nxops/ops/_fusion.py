@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import weakref
 
+import jax.numpy as jnp
+from jax import lax
+
 from nxops.kernels.xla import collectives as xla_collectives
 
 # id(result) -> (weak reference to result, partial, mesh axes summed over)
@@ -32,7 +35,7 @@ def mesh_sum(partial, mesh_names: tuple[str, ...], *, platform: str):
     """``lax.psum(partial, mesh_names)`` (in f32 on CPU for 16-bit floats, see
     ``kernels/xla/collectives.py``), recorded so that an ``nx.tile`` over the
     same mesh axes can reduce-scatter ``partial`` instead."""
-    result = xla_collectives.psum(partial, mesh_names, platform=platform)
+    result = _psum(partial, mesh_names, platform)
     key = id(result)
     try:
         ref = weakref.ref(result, lambda _: _summed.pop(key, None))
@@ -40,6 +43,17 @@ def mesh_sum(partial, mesh_names: tuple[str, ...], *, platform: str):
         return result
     _summed[key] = (ref, partial, tuple(mesh_names))
     return result
+
+
+def _psum(partial, mesh_names: tuple[str, ...], platform: str):
+    if jnp.iscomplexobj(partial) and platform == "cpu":
+        # XLA:CPU aborts ("Check failed: buffer != nullptr") on a complex
+        # all-reduce of a constant (a sum over a size-0 name): sum the real and
+        # imaginary parts as one real all-reduce, which is exact.
+        parts = xla_collectives.psum(jnp.stack([jnp.real(partial), jnp.imag(partial)]),
+                                     mesh_names, platform=platform)
+        return lax.complex(parts[0], parts[1])
+    return xla_collectives.psum(partial, mesh_names, platform=platform)
 
 
 def summed_partial(value, mesh_names: tuple[str, ...]):

@@ -173,7 +173,9 @@ def _split_axis_argument(x, axis, *, op: str) -> tuple[tuple[int, ...], tuple]:
 
 
 def _mesh_logsumexp(y, mesh_names):
-    top = lax.pmax(lax.stop_gradient(y), mesh_names)
+    # The shift is real (XLA has no complex all-reduce max; jax.nn.logsumexp
+    # also shifts complex values by the max of their real parts).
+    top = lax.pmax(lax.stop_gradient(jnp.real(y)), mesh_names)
     top = jnp.where(jnp.isfinite(top), top, 0)
     return top + jnp.log(lax.psum(jnp.exp(y - top), mesh_names))
 

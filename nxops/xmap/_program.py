@@ -312,6 +312,16 @@ def build_program(body: Callable, plan: Plan, in_tree, in_specs: list[AxisSpec],
     return _over_mesh(local_program, plan, in_specs, outputs), outputs
 
 
+def _local_shape(shape: Sequence[int], pspec, mesh) -> tuple[int, ...]:
+    """The per-device shape of a global ``shape`` split by ``pspec`` over ``mesh``."""
+    entries = tuple(pspec) + (None,) * (len(shape) - len(pspec))
+    sizes = []
+    for size, entry in zip(shape, entries):
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        sizes.append(size // math.prod(mesh.shape[a] for a in axes))
+    return tuple(sizes)
+
+
 def _over_mesh(local_program: Callable, plan: Plan, in_specs: list[AxisSpec],
                outputs: _Outputs) -> Callable:
     """``local_program`` run under ``jax.shard_map`` over the plan's mesh axes
@@ -319,26 +329,36 @@ def _over_mesh(local_program: Callable, plan: Plan, in_specs: list[AxisSpec],
     region)."""
     def program(*flat):
         manual = jax.sharding.get_abstract_mesh().manual_axes
+        # Zero-size inputs hold no data: they are made inside the body instead of
+        # passed in (Shardy rejects a manual computation whose operands are all
+        # zero-size: "expected at least one operand ... GlobalToLocalShape").
+        empty = [_local_shape(x.shape, plan.partition_spec(s, x.ndim), plan.mesh)
+                 if x.size == 0 else None for x, s in zip(flat, in_specs)]
+        passed = [(x, s) for x, s, e in zip(flat, in_specs, empty) if e is None]
         if not manual:
-            flat = [_reshard(x, plan, s) for x, s in zip(flat, in_specs)]
+            passed = [(_reshard(x, plan, s), s) for x, s in passed]
         else:
-            flat = [_reshard_inside_manual_region(x, plan, s) for x, s in zip(flat, in_specs)]
+            passed = [(_reshard_inside_manual_region(x, plan, s), s) for x, s in passed]
         out_specs: list = []   # filled in once the body's results are known
 
         def sharded(*local):
             pinned = _pin_constants()  # noqa: F841 - alive while the body is traced
-            results = local_program(*local)
+            local = iter(local)
+            args = [next(local) if e is None else jnp.zeros(e, x.dtype)
+                    for x, e in zip(flat, empty)]
+            results = local_program(*args)
             out_specs[:] = [plan.partition_spec(s, x.ndim) for x, s in zip(results, outputs.specs)]
             return results
 
         abstract = jax.sharding.get_abstract_mesh()
         mesh = abstract if not abstract.empty else plan.mesh
-        in_pspecs = tuple(plan.partition_spec(s, x.ndim) for x, s in zip(flat, in_specs))
+        in_pspecs = tuple(plan.partition_spec(s, x.ndim) for x, s in passed)
         # check_vma=False: the vmap levels already check, per logical name, that
         # no result varies along a name its out_axes omit. It also keeps jax.grad
         # inside the body per position for replicated inputs (per-example
         # gradients), as under vmap and loops; check_vma=True would sum those over
         # devices, and JAX has no varying -> invariant cast to undo it for free.
         return jax.shard_map(sharded, mesh=mesh, in_specs=in_pspecs, out_specs=out_specs,
-                             axis_names=frozenset(plan.mesh_axes), check_vma=False)(*flat)
+                             axis_names=frozenset(plan.mesh_axes), check_vma=False)(
+                                 *[x for x, _ in passed])
     return program

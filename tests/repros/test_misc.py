@@ -14,3 +14,12 @@ def test_g02_raw_lax_on_a_mesh_mapped_name_names_the_nx_op():
     assert unmapped == ["{}               lax.axis_index  ok [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]",
                         "{}               lax.psum        ok [[2.0, 2.0, 2.0], [2.0, 2.0, 2.0]]",
                         "{}               nx.axis_index   ok [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]"]
+
+
+def test_r16_mesh_only_bool_psum_scatter_and_complex_logsumexp():
+    assert printed_lines("r16_bool_psum_scatter_complex_lse.py") == [
+        "psum_scatter bool {} ok int32",
+        "psum_scatter bool {'a': 'x'} ok int32",
+        "logsumexp complex64 {} ok complex64",
+        "logsumexp complex64 {'a': 'x'} ok complex64",
+    ]
