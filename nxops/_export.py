@@ -1,10 +1,15 @@
 """``nx.export``: ``jax.export`` for nx programs, with their kernels."""
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Sequence
 
 import jax
 from jax import export as jax_export
+from jax.sharding import AxisType, Mesh
+
+from nxops._jax import config as jax_config
+from nxops._jax import mesh_lib
 
 # The custom calls nxops' own kernels lower to that jax.export does not allow
 # by default: Pallas' Triton kernels on GPU and jax-triton's kernels. Mosaic
@@ -33,5 +38,33 @@ def export(fn: Callable, *args: Any, platforms: Sequence[str] | None = None,
     jitted = fn if hasattr(fn, "trace") else jax.jit(lambda *a: fn(*a))
     checks = tuple(export_kwargs.pop("disabled_checks", ())) + tuple(
         jax_export.DisabledSafetyCheck.custom_call(t) for t in NXOPS_KERNEL_CUSTOM_CALLS)
-    return jax_export.export(jitted, platforms=platforms, disabled_checks=checks,
-                             **export_kwargs)(*args)
+    with _refinable_mesh(args):
+        return jax_export.export(jitted, platforms=platforms, disabled_checks=checks,
+                                 **export_kwargs)(*args)
+
+
+def _refinable_mesh(args: Sequence[Any]) -> contextlib.ExitStack:
+    """Under a mesh, with symbolic sizes: a lowering whose shapes ``.call`` can refine.
+
+    JAX 0.10 fails ``.call`` with "Error refining shapes" twice over (plain
+    jax.export + shard_map too): (1) under a mesh with Explicit axes
+    (``jax.make_mesh``'s default) it constrains the sharding of the
+    shape-assertion scalars: the same devices with Auto axes give the same
+    program without them; (2) Shardy's manual computation hides the dimension
+    variables from shape refinement wherever the body computes with a symbolic
+    size (a broadcast): the GSPMD lowering of shard_map refines. The option
+    is feature-detected (a JAX without it lowers with Shardy).
+    """
+    stack = contextlib.ExitStack()
+    mesh = mesh_lib.get_concrete_mesh()
+    symbolic = any(not isinstance(d, int) for a in jax.tree.leaves(args)
+                   for d in getattr(a, "shape", ()))
+    if not symbolic or mesh is None or mesh.empty:
+        return stack
+    if any(t != AxisType.Auto for t in mesh.axis_types):
+        stack.enter_context(jax.set_mesh(Mesh(mesh.devices, mesh.axis_names,
+                                              axis_types=(AxisType.Auto,) * len(mesh.axis_names))))
+    use_shardy = getattr(jax_config, "use_shardy_partitioner", None)
+    if use_shardy is not None:
+        stack.enter_context(use_shardy(False))
+    return stack

@@ -25,7 +25,9 @@ from jax._src import core  # noqa: F401
 from jax._src import sharding_impls  # noqa: F401
 # Config states: the kernel selection and report epoch as jit-key config
 # (kernels/_registry.py) and check_vma toggles. No public way to define
-# states that are part of the jit cache key.
+# states that are part of the jit cache key. nx.export also lowers symbolic
+# shapes over a mesh with config.use_shardy_partitioner(False) when present
+# (_export.py says why; getattr-detected, absent in a JAX without GSPMD).
 from jax._src import config  # noqa: F401
 # The concrete mesh of jax.set_mesh and the legacy `with mesh:` environment
 # (xmap's mesh in scope). Public: jax.sharding.get_abstract_mesh only gives

@@ -252,7 +252,8 @@ def _reasons(kernel: Kernel, platform: str, avals: Sequence[Any], params: dict,
              auto_partitioned: bool, /) -> tuple[str, ...]:
     if platform not in kernel.platforms:
         return (f"it runs on {', '.join(kernel.platforms)}, not {platform}",)
-    if any(not isinstance(d, int) for aval in avals for d in getattr(aval, "shape", ())):
+    symbolic = any(not isinstance(d, int) for aval in avals for d in getattr(aval, "shape", ()))
+    if symbolic and kernel.backend != "xla":   # xla is pure JAX: it takes symbolic sizes
         return ("symbolic sizes (jax.export shape polymorphism): the kernel's blocks and grid "
                 "need concrete sizes",)
     if auto_partitioned and platform in kernel.manual_only_platforms:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -228,8 +229,9 @@ def _check_extremum_not_empty(x, axis, positional, vmap_names, op: str, public: 
     """A max/min over no elements has no value: say so (jnp raises a bare ValueError)."""
     if op not in ("max", "min"):
         return
-    sizes = [x.shape[a] for a in positional] + [lax.axis_size(n) for n in vmap_names]
-    if 0 in sizes:
+    sizes = [x.shape[a] for a in positional]
+    sizes += [_axis_env.physical_axis_size(n) for n in vmap_names]
+    if any(isinstance(s, int) and s == 0 for s in sizes):   # (symbolic sizes are >= 1)
         raise NxopsError(
             f"nx.{public}(x, {axis!r}) reduces over a dimension of size 0 (x has local "
             f"shape {x.shape}): the {op}imum of no elements is undefined. Check the size "
@@ -277,8 +279,10 @@ def mean(x: ArrayLike, axis: Axis) -> jax.Array:
         x = x.astype(jnp.result_type(float))
     positional, vmap_names, mesh_names = _resolve_axes(x, axis, "mean")
     total = _reduce_resolved(x, positional, vmap_names, mesh_names, "sum")
-    count = math.prod(x.shape[a] for a in positional)
-    count *= math.prod(lax.axis_size(n) for n in vmap_names + mesh_names)
+    # Multiplied one by one: sizes may be symbolic (jax.export), which math.prod
+    # would turn into ints.
+    count = functools.reduce(operator.mul, [x.shape[a] for a in positional] +
+                             [_axis_env.physical_axis_size(n) for n in vmap_names + mesh_names], 1)
     return total / jnp.asarray(count, total.dtype)
 
 

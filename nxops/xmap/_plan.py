@@ -187,6 +187,13 @@ def plan_axis_resources(sizes: dict[str, int], axis_resources: dict[str, tuple],
                 f"xmap or shard_map already maps over; use other mesh axes.")
         total = math.prod(mesh.shape[a] for a in mesh_axes) * math.prod(
             loop.length for loop in axis_loops)
+        if sizes[name] % total and not isinstance(sizes[name], int):
+            raise NxopsError(
+                f"The size of axis {name!r} is the symbolic {sizes[name]}, which jax.export "
+                f"cannot prove divisible by the total size {total} of the resources assigned "
+                f"to it, {_show(resources)}{_mesh_note(mesh, mesh_axes)}. Declare it a "
+                f"multiple: jax.export.symbolic_shape('{total}*{sizes[name]}') (k*b) in "
+                f"place of '{sizes[name]}'.")
         if sizes[name] % total:
             raise NxopsError(
                 f"The size of axis {name!r} ({sizes[name]}) is not divisible by the total "

@@ -1,4 +1,11 @@
 """Issue 20 repros (helper misc): each file runs unchanged and prints its expected result."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+import nxops as nx
 from tests.repros._run import printed_lines
 
 
@@ -23,3 +30,49 @@ def test_r16_mesh_only_bool_psum_scatter_and_complex_logsumexp():
         "logsumexp complex64 {} ok complex64",
         "logsumexp complex64 {'a': 'x'} ok complex64",
     ]
+
+
+def _loss_for_five_ones():
+    # s02's loss on x = ones((5, 8)), w = ones((8, 3)), in NumPy.
+    logits = np.ones((5, 8)) @ np.ones((8, 3))
+    return np.log(np.exp(logits).sum(1)).mean()
+
+
+def test_s02_export_with_a_symbolic_batch():
+    (line,) = printed_lines("s02_export_symbolic_batch.py")
+    np.testing.assert_allclose(float(line), _loss_for_five_ones(), rtol=1e-6)
+
+
+def test_r14_symbolic_export_with_xla_kernels():
+    assert printed_lines("r14_export_symbolic_xla.py") == ["(ShapedArray(float32[8,b]),)"] * 2
+
+
+def _s02_loss(x, w):
+    logits = nx.einsum("<inputs>,<inputs>c->c", x, w)
+    return nx.mean(nx.logsumexp(logits, 0), "batch")
+
+
+@pytest.mark.parametrize("resources,batch", [({}, "b"), ({"batch": "x"}, "8*b")], ids=str)
+def test_symbolic_export_over_a_mesh_calls_under_the_mesh(resources, batch):
+    f = nx.xmap(_s02_loss, in_axes=(["batch", "inputs"], ["inputs", ...]), out_axes=[...],
+                axis_resources=resources)
+    sizes = (jax.ShapeDtypeStruct(export.symbolic_shape(f"{batch}, 8"), jnp.float32),
+             jax.ShapeDtypeStruct((8, 3), jnp.float32))
+    rng = np.random.default_rng(0)
+    x, w = rng.normal(size=(16, 8)).astype(np.float32), rng.normal(size=(8, 3)).astype(np.float32)
+    logits = x @ w
+    want = np.log(np.exp(logits).sum(1)).mean()
+    with jax.set_mesh(jax.make_mesh((8,), ("x",))):
+        got = nx.export(f, *sizes).call(x, w)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5)
+
+
+def test_symbolic_batch_not_provably_divisible_suggests_a_multiple():
+    f = nx.xmap(_s02_loss, in_axes=(["batch", "inputs"], ["inputs", ...]), out_axes=[...],
+                axis_resources={"batch": "x"})
+    sizes = (jax.ShapeDtypeStruct(export.symbolic_shape("b, 8"), jnp.float32),
+             jax.ShapeDtypeStruct((8, 3), jnp.float32))
+    with jax.set_mesh(jax.make_mesh((8,), ("x",))):
+        with pytest.raises(nx.NxopsError, match=r"symbolic b, which jax.export cannot prove "
+                           r"divisible by the total size 8 .*symbolic_shape\('8\*b'\)"):
+            nx.export(f, *sizes)
