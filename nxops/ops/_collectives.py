@@ -224,6 +224,14 @@ def psum_scatter(x: ArrayLike, axis_name: AxisNames, *, scatter_dimension: int =
     if not tiled and x.shape[dim] != total:
         raise NxopsError(f"nx.psum_scatter: with tiled=False dim {dim} of x (shape {x.shape}) must "
                          f"have the size {total} of {axis_name!r}; use tiled=True to scatter tiles.")
+    if not vmap_names and not mesh_names and len(physical) > 1:
+        # Names interleaving mesh axes and local tiles (JAX's psum_scatter
+        # asserts there): the sum, then this position's tile of it.
+        from nxops.ops._reduce import psum   # it imports this module
+        chunk = x.shape[dim] // total
+        mine = lax.dynamic_slice_in_dim(psum(x, axis_name), axis_index(axis_name) * chunk,
+                                        chunk, dim)
+        return mine if tiled else jnp.squeeze(mine, dim)
     if not vmap_names and not mesh_names:
         return lax.psum_scatter(x, physical, scatter_dimension=dim, tiled=tiled)
     # The sum's dtype is jnp.sum's (bool, int8 -> int32) on every placement: the
@@ -293,8 +301,10 @@ def ppermute(x: ArrayLike, axis_name: AxisNames,
     physical, vmap_names, mesh_names = _physical(axis_name, "ppermute")
     if mesh_names and not vmap_names:   # lax.ppermute on devices zero-fills partial perms
         return lax.ppermute(x, _one_or_tuple(physical), perm)
-    if len(perm) == size and not mesh_names:   # a full permutation of a vmapped name
-        return lax.ppermute(x, _one_or_tuple(physical), perm)
+    if len(perm) == size and len(physical) == 1:   # a full permutation of a vmapped name
+        return lax.ppermute(x, physical[0], perm)
+    # Otherwise positionally (JAX's ppermute asserts over several vmapped axes,
+    # or over vmapped and mesh axes together).
     source = np.full(size, -1, np.int32)
     for src, dst in perm:
         source[dst] = src

@@ -76,3 +76,39 @@ def test_symbolic_batch_not_provably_divisible_suggests_a_multiple():
         with pytest.raises(nx.NxopsError, match=r"symbolic b, which jax.export cannot prove "
                            r"divisible by the total size 8 .*symbolic_shape\('8\*b'\)"):
             nx.export(f, *sizes)
+
+
+def test_r09_ppermute_and_psum_scatter_over_a_tuple_of_names():
+    assert printed_lines("r09_tuple_ppermute_psum_scatter.py") == [
+        "ppermute {} ok", "ppermute {'b': 'y'} ok",
+        "psum_scatter {} ok", "psum_scatter {'b': 'y'} ok"]
+
+
+R09_PLACEMENTS = [{}, {"b": "y"}, {"a": "x"}, {"a": "x", "b": "y"}]
+
+
+def _over_ab(body, x, resources):
+    f = nx.xmap(body, [["a", "b", ...]], ["a", "b", ...], axis_resources=resources)
+    with jax.set_mesh(jax.make_mesh((2, 4), ("x", "y"))):
+        return np.asarray(f(x)).reshape(32, -1)
+
+
+@pytest.mark.parametrize("resources", R09_PLACEMENTS, ids=str)
+@pytest.mark.parametrize("perm", [[(i, (i + 1) % 32) for i in range(32)], [(3, 30), (30, 0)]],
+                         ids=["cycle", "partial"])
+def test_ppermute_over_a_tuple_of_names_matches_numpy(resources, perm):
+    x = np.random.default_rng(0).normal(size=(8, 4, 5)).astype(np.float32)
+    got = _over_ab(lambda v: nx.ppermute(v, ("a", "b"), perm), x, resources)
+    flat, want = x.reshape(32, 5), np.zeros((32, 5), np.float32)
+    for src, dst in perm:
+        want[dst] = flat[src]
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("resources", R09_PLACEMENTS, ids=str)
+@pytest.mark.parametrize("tiled", [True, False])
+def test_psum_scatter_over_a_tuple_of_names_matches_numpy(resources, tiled):
+    x = np.random.default_rng(1).integers(-5, 5, size=(8, 4, 32, 3)).astype(np.float32)
+    got = _over_ab(lambda v: nx.psum_scatter(v, ("a", "b"), tiled=tiled), x, resources)
+    want = x.reshape(32, 32, 3).sum(0)
+    np.testing.assert_array_equal(got.reshape(want.shape), want)
