@@ -112,3 +112,21 @@ def test_psum_scatter_over_a_tuple_of_names_matches_numpy(resources, tiled):
     got = _over_ab(lambda v: nx.psum_scatter(v, ("a", "b"), tiled=tiled), x, resources)
     want = x.reshape(32, 32, 3).sum(0)
     np.testing.assert_array_equal(got.reshape(want.shape), want)
+
+
+def test_r10_grad_inside_through_all_to_all_over_a_vmapped_name():
+    lines = printed_lines("r10_all_to_all_grad_inside.py")
+    values = np.array([float(v) for line in lines for v in line.strip("[] ").split()])
+    np.testing.assert_array_equal(values, np.ones(4 * 4 * 2))   # d sum / d v: every entry once
+
+
+@pytest.mark.parametrize("resources", [{}, {"b": "x"}], ids=str)
+def test_grad_inside_through_all_to_all_is_its_transpose(resources):
+    # d/dv_j sum(all_to_all(v)_i * w_i) summed over i: grad_j[i] = w_i[j].
+    rng = np.random.default_rng(2)
+    v, w = rng.normal(size=(2, 4, 4, 2)).astype(np.float32)
+    body = jax.grad(lambda p, q: (nx.all_to_all(p, "b", 0, 0) * q).sum())
+    f = nx.xmap(body, [["b", ...], ["b", ...]], ["b", ...], axis_resources=resources)
+    with jax.set_mesh(jax.make_mesh((4,), ("x",))):
+        got = np.asarray(f(v, w))
+    np.testing.assert_allclose(got, w.transpose(1, 0, 2), rtol=1e-6)
