@@ -130,3 +130,24 @@ def test_grad_inside_through_all_to_all_is_its_transpose(resources):
     with jax.set_mesh(jax.make_mesh((4,), ("x",))):
         got = np.asarray(f(v, w))
     np.testing.assert_allclose(got, w.transpose(1, 0, 2), rtol=1e-6)
+
+
+def test_r11_nested_xmaps_grad_outside():
+    assert printed_lines("r11_nested_grad.py") == ["(8, 4, 3)", "(8, 4, 3)"]
+
+
+@pytest.mark.parametrize("axis_types", ["Explicit", "Auto"])
+@pytest.mark.parametrize("outer_res,inner_res", [({"a": "x"}, {"b": "y"}), ({}, {"b": "y"}),
+                                                  ({"a": "x"}, {})], ids=str)
+def test_nested_xmaps_grad_outside_is_the_positional_grad(outer_res, inner_res, axis_types):
+    x = np.random.default_rng(3).normal(size=(8, 4, 3)).astype(np.float32)
+    inner = nx.xmap(lambda v: jnp.sin(v) * nx.axis_index("b"), [["b", ...]], ["b", ...],
+                    axis_resources=inner_res)
+    outer = nx.xmap(inner, [["a", ...]], ["a", ...], axis_resources=outer_res)
+    types = (getattr(jax.sharding.AxisType, axis_types),) * 2
+    with jax.set_mesh(jax.make_mesh((2, 4), ("x", "y"), axis_types=types)):
+        value, grad = jax.value_and_grad(lambda v: (outer(v) ** 2).sum())(x)
+    position = np.arange(4).reshape(1, 4, 1)
+    np.testing.assert_allclose(value, ((np.sin(x) * position) ** 2).sum(), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(grad), 2 * np.sin(x) * np.cos(x) * position ** 2,
+                               rtol=1e-5, atol=1e-6)
