@@ -276,6 +276,12 @@ def _reshard(x, plan: Plan, spec: AxisSpec):
     sharding = NamedSharding(plan.mesh, plan.partition_spec(spec, x.ndim))
     types = {plan.mesh._name_to_type[a] for a in plan.mesh_axes}
     if AxisType.Explicit in types:
+        if jax.typeof(x).sharding.mesh.empty:
+            # An input typed on no mesh (made before set_mesh): through the
+            # replicated type first, so its cotangent comes back typed
+            # replicated, not sharded on a mesh its type lacks (jax.jacrev
+            # fails on that: r12).
+            x = jax.sharding.reshard(x, NamedSharding(plan.mesh, PartitionSpec()))
         return jax.sharding.reshard(x, sharding)
     return lax.with_sharding_constraint(x, sharding)
 

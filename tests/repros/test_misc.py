@@ -151,3 +151,23 @@ def test_nested_xmaps_grad_outside_is_the_positional_grad(outer_res, inner_res, 
     np.testing.assert_allclose(value, ((np.sin(x) * position) ** 2).sum(), rtol=1e-5)
     np.testing.assert_allclose(np.asarray(grad), 2 * np.sin(x) * np.cos(x) * position ** 2,
                                rtol=1e-5, atol=1e-6)
+
+
+def test_r12_jacrev_of_a_mesh_mapped_xmap_inputs_made_before_the_mesh():
+    assert printed_lines("r12_jacrev_mesh.py") == ["(8, 2, 8, 2)"]
+
+
+@pytest.mark.parametrize("made", ["before", "inside"])
+def test_jacrev_and_hessian_of_a_mesh_mapped_xmap(made):
+    f = nx.xmap(lambda v: jnp.sin(v) * 2, [["a", ...]], ["a", ...], axis_resources={"a": "x"})
+    x_np = np.random.default_rng(4).normal(size=(8, 2)).astype(np.float32)
+    x = jnp.asarray(x_np)
+    with jax.set_mesh(jax.make_mesh((8,), ("x",))):
+        if made == "inside":
+            x = jnp.asarray(x_np)
+        jac = np.asarray(jax.jacrev(f)(x))
+        hess = np.asarray(jax.hessian(lambda v: f(v).sum())(x))
+    eye = np.eye(16, dtype=np.float32).reshape(8, 2, 8, 2)
+    np.testing.assert_allclose(jac, eye * (2 * np.cos(x_np))[:, :, None, None], rtol=1e-6)
+    np.testing.assert_allclose(hess, eye * (-2 * np.sin(x_np))[:, :, None, None], rtol=1e-5,
+                               atol=1e-6)
