@@ -156,3 +156,12 @@ def pin_constant(value, aval) -> object | None:
         return new_const(value, source_info_util.current(), aval=aval)
     except TypeError:   # another signature
         return None
+
+
+def spmd_axis_names() -> frozenset:
+    """The mesh axes of the enclosing ``jax.vmap(..., spmd_axis_name=...)`` s
+    (empty outside them). xmap's shard_map makes them manual too: JAX 0.10's
+    shard_map batching rule fails on an spmd axis the shard_map leaves automatic.
+    No public API; ``frozenset()`` where the axis env lacks it."""
+    return frozenset(getattr(core.get_axis_env(), "spmd_axis_names", None) or ())
+

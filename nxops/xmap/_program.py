@@ -27,6 +27,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from nxops._jax import infer_out_axes as _infer_out_axes
 from nxops._jax import pin_constant as _pin_constant
+from nxops._jax import spmd_axis_names
 from nxops._errors import NxopsError
 from nxops.ops._axis_env import TileAxisName, loop_step
 from nxops.xmap._plan import Plan, check_shared_resources
@@ -364,7 +365,10 @@ def _over_mesh(local_program: Callable, plan: Plan, in_specs: list[AxisSpec],
         # inside the body per position for replicated inputs (per-example
         # gradients), as under vmap and loops; check_vma=True would sum those over
         # devices, and JAX has no varying -> invariant cast to undo it for free.
+        # Under jax.vmap(..., spmd_axis_name=...) the spmd axes are manual too:
+        # JAX's batching rule of a shard_map that leaves them automatic fails (r13).
+        axis_names = frozenset(plan.mesh_axes) | spmd_axis_names()
         return jax.shard_map(sharded, mesh=mesh, in_specs=in_pspecs, out_specs=out_specs,
-                             axis_names=frozenset(plan.mesh_axes), check_vma=False)(
+                             axis_names=axis_names, check_vma=False)(
                                  *[x for x, _ in passed])
     return program

@@ -171,3 +171,21 @@ def test_jacrev_and_hessian_of_a_mesh_mapped_xmap(made):
     np.testing.assert_allclose(jac, eye * (2 * np.cos(x_np))[:, :, None, None], rtol=1e-6)
     np.testing.assert_allclose(hess, eye * (-2 * np.sin(x_np))[:, :, None, None], rtol=1e-5,
                                atol=1e-6)
+
+
+def test_r13_vmap_with_spmd_axis_name_of_an_xmap():
+    assert printed_lines("r13_vmap_spmd_axis_name.py") == ["(2, 8, 3)"]
+
+
+@pytest.mark.parametrize("order", ["spmd first", "plain first"])
+def test_vmap_with_spmd_axis_name_matches_plain_vmap(order):
+    # jit caches per trace: the plain and the spmd vmap must not share a program.
+    x = np.random.default_rng(5).normal(size=(2, 8, 3)).astype(np.float32)
+    f = nx.xmap(lambda v: jnp.sin(v) * nx.axis_index("a"), [["a", ...]], ["a", ...],
+                axis_resources={"a": "y"})
+    want = np.sin(x) * np.arange(8).reshape(1, 8, 1)
+    calls = [jax.vmap(f, spmd_axis_name="x"), jax.vmap(f)]
+    with jax.set_mesh(jax.make_mesh((2, 4), ("x", "y"))):
+        for call in calls if order == "spmd first" else calls[::-1]:
+            np.testing.assert_allclose(np.asarray(call(x)), want, rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(f(x[1])), want[1], rtol=1e-6)
