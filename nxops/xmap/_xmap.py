@@ -146,7 +146,10 @@ class XmapFunction:
 
     def lower(self, *args: Any) -> jax.stages.Lowered:
         """Lowers for these arguments (``.compile()``, ``.as_text()``, ...)."""
-        return self._jitted().lower(*self._place_on_mesh(args))
+        try:
+            return self._jitted().lower(*self._place_on_mesh(args))
+        except TypeError as e:
+            raise _non_array_argument_error(args) or e
 
     # -- the jitted program, one per context --------------------------------
 
@@ -335,7 +338,7 @@ def _non_array_argument_error(args: tuple) -> NxopsError | None:
             jax.typeof(leaf)
         except TypeError:
             return NxopsError(
-                f"xmap argument args{jax.tree_util.keystr(path)} is a {type(leaf).__name__} "
+                f"xmap argument args{jax.tree_util.keystr(path)} is of type {type(leaf).__name__} "
                 f"({leaf!r:.60}), not an array: xmapped functions take arrays, scalars "
                 f"and pytrees of them. Close over other values (functools.partial or a "
                 f"lambda) instead of passing them.")

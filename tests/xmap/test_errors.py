@@ -333,8 +333,10 @@ def test_negative_donate_argnums():
 
 def test_string_argument_is_named():
     f = xmap(lambda x: x, ["a", ...], ["a", ...])
-    with _raises(r"xmap argument args\[0\] is a str \('abc'\), not an array"):
+    with _raises(r"xmap argument args\[0\] is of type str \('abc'\), not an array"):
         f("abc")
+    with _raises(r"xmap argument args\[1\]\['k'\] is of type object"):
+        f.lower(np.ones(2), {"k": object()})
 
 
 def test_float_axis_of_a_reduction():
