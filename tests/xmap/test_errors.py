@@ -351,7 +351,7 @@ def test_numpy_int_axis_is_positional():
 
 
 def test_explain_for_an_unknown_platform():
-    with _raises(r"explain\(platform='quantum'\): nxops lowers for 'cpu', 'cuda', 'rocm', 'tpu'"):
+    with _raises(r"'quantum'.*'cpu', 'cuda', 'rocm', 'tpu'"):
         nx.kernels.explain(lambda x: nx.sum(x, 0), jnp.ones(3), platform="quantum")
 
 
