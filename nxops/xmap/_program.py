@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Sequence
 
@@ -277,14 +278,26 @@ def _reshard(x, plan: Plan, spec: AxisSpec):
     sharding = NamedSharding(plan.mesh, plan.partition_spec(spec, x.ndim))
     types = {plan.mesh._name_to_type[a] for a in plan.mesh_axes}
     if AxisType.Explicit in types:
-        if jax.typeof(x).sharding.mesh.empty:
-            # An input typed on no mesh (made before set_mesh): through the
-            # replicated type first, so its cotangent comes back typed
-            # replicated, not sharded on a mesh its type lacks (jax.jacrev
-            # fails on that: r12).
-            x = jax.sharding.reshard(x, NamedSharding(plan.mesh, PartitionSpec()))
+        if jax.typeof(x).sharding.mesh.empty:   # made before set_mesh
+            return _reshard_from_no_mesh(x, sharding, NamedSharding(plan.mesh, PartitionSpec()))
         return jax.sharding.reshard(x, sharding)
     return lax.with_sharding_constraint(x, sharding)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _reshard_from_no_mesh(x, sharding: NamedSharding, replicated: NamedSharding):
+    """``reshard(x, sharding)`` for an input typed on no mesh, whose tangent
+    goes through the replicated type: the cotangent then comes back typed
+    replicated, not sharded on a mesh the input's type lacks (jax.jacrev fails
+    on that: r12). The value itself moves straight to ``sharding``."""
+    return jax.sharding.reshard(x, sharding)
+
+
+@_reshard_from_no_mesh.defjvp
+def _reshard_from_no_mesh_jvp(sharding, replicated, primals, tangents):
+    (x,), (t,) = primals, tangents
+    return (jax.sharding.reshard(x, sharding),
+            jax.sharding.reshard(jax.sharding.reshard(t, replicated), sharding))
 
 
 def _reshard_inside_manual_region(x, plan: Plan, spec: AxisSpec):
