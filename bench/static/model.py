@@ -50,8 +50,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import math
+import os
 import pathlib
 import re
 import sys
@@ -59,7 +59,12 @@ import tempfile
 import time
 from typing import Any, Callable
 
-import jax
+# libtpu takes a machine-wide lock file unless told that several processes may
+# load it: compile-only clients of several engineers (and of a test run beside
+# a table run) share this machine.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax  # noqa: E402
 
 GPU_OVERHEAD = 2e-6
 TPU_OVERHEAD = 0.5e-6
@@ -360,21 +365,50 @@ def _gpu_grids(dump: pathlib.Path) -> dict[str, list[int]]:
     return grids
 
 
-def estimate_gpu(fn: Callable, args, *, machine: str, selection: str,
-                 mesh_shape=(1,)) -> Estimate:
+def lower(program: "Program", machine: str, selection: str):
+    """``jax.stages.Lowered`` of ``program`` for ``machine`` under ``selection``:
+    on GPUs over ``program.gpu_mesh`` GPUs (arguments replicated unless the
+    program places them), on a TPU for one chip, or ``program.tpu_fn`` on the
+    per-chip shards of a 4-chip slice in a shard_map over its axis "x"."""
+    import numpy as np
+
     import nxops as nx
-    from bench.static import gpu
-    from jax.sharding import NamedSharding, PartitionSpec
+    from bench.static import gpu, tpu
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     m = MACHINES[machine]
-    mesh = gpu.gpu_mesh(m.target, mesh_shape, ("x",))
+    args, fn = program.args(), program.fn
+    if m.kind == "gpu":
+        mesh = gpu.gpu_mesh(m.target, program.gpu_mesh, ("x",))
+    elif program.tpu_fn is not None:
+        mesh = tpu.tpu_mesh(m.target)
+        n = mesh.devices.size
+        args = [jax.ShapeDtypeStruct((n * a.shape[0], *a.shape[1:]), a.dtype,
+                                     sharding=NamedSharding(mesh, P("x"))) for a in args]
+        fn = jax.shard_map(program.tpu_fn, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    else:
+        mesh = Mesh(np.asarray(tpu.topology(m.target).devices[:1]), ("x",))
     placed = [a if getattr(a, "sharding", None) is not None else
-              jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+              jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P()))
               for a in args]
-    with tempfile.TemporaryDirectory() as dump, jax.set_mesh(mesh), nx.kernels.use(selection):
-        compiled = jax.jit(fn).trace(*placed).lower().compile(compiler_options={
-            "xla_dump_to": dump, "xla_gpu_enable_triton_gemm": False})
-        grids = _gpu_grids(pathlib.Path(dump))
+    with jax.set_mesh(mesh), nx.kernels.use(selection), tpu._quiet_libtpu():
+        return jax.jit(fn).trace(*placed).lower()
+
+
+def estimate_lowered(lowered, machine: str, selection: str) -> Estimate:
+    """Compiles ``lowered`` for ``machine`` and models the launches."""
+    from bench.static import tpu
+
+    m = MACHINES[machine]
+    grids: dict[str, list[int]] = {}
+    if m.kind == "gpu":
+        with tempfile.TemporaryDirectory() as dump:
+            compiled = lowered.compile(compiler_options={
+                "xla_dump_to": dump, "xla_gpu_enable_triton_gemm": False})
+            grids = _gpu_grids(pathlib.Path(dump))
+    else:
+        with tpu._quiet_libtpu():
+            compiled = lowered.compile()
     found = launches(compiled.as_text())
     for launch in found:
         for key in (launch.kernel, launch.name):
@@ -385,25 +419,22 @@ def estimate_gpu(fn: Callable, args, *, machine: str, selection: str,
     return Estimate(machine, selection, found)
 
 
-def estimate_tpu(fn: Callable, args, *, machine: str, selection: str) -> Estimate:
-    import nxops as nx
-    from bench.static import tpu
-
-    m = MACHINES[machine]
-    with nx.kernels.use(selection):
-        report = tpu.compile_tpu(fn, *args, chip=m.target)
-    found = launches(report.hlo_text)
-    for launch in found:
-        launch.seconds = launch_seconds(launch, m)
-    return Estimate(machine, selection, found)
-
-
 def estimate(program: "Program", machine: str, selection: str) -> Estimate:
-    if MACHINES[machine].kind == "gpu":
-        return estimate_gpu(program.fn, program.args(), machine=machine, selection=selection,
-                            mesh_shape=program.gpu_mesh)
-    return estimate_tpu(program.tpu_fn or program.fn, program.args(), machine=machine,
-                        selection=selection)
+    return estimate_lowered(lower(program, machine, selection), machine, selection)
+
+
+def estimate_both(program: "Program", machine: str, compile_same: bool = True
+                  ) -> tuple[Estimate | None, Estimate | None]:
+    """(auto, xla). Where ``auto`` lowers to the very program ``xla`` does (it
+    chose no kernel), that program is compiled once, or not at all unless
+    ``compile_same`` (the ratio is 1 by construction): (None, None)."""
+    auto, xla = lower(program, machine, "auto"), lower(program, machine, "xla")
+    if auto.as_text() == xla.as_text():
+        if not compile_same:
+            return None, None
+        xla_estimate = estimate_lowered(xla, machine, "xla")
+        return dataclasses.replace(xla_estimate, selection="auto"), xla_estimate
+    return estimate_lowered(auto, machine, "auto"), estimate_lowered(xla, machine, "xla")
 
 
 # --- the program set ------------------------------------------------------------------
@@ -416,7 +447,7 @@ class Program:
     dtype: Any
     quick: bool = False
     gpu_mesh: tuple = (1,)   # GPUs it runs on ("x" axis)
-    tpu_fn: Callable | None = None   # the per-chip body on a TPU slice, when not ``fn``
+    tpu_fn: Callable | None = None   # TPUs: a per-chip body for a 4-chip slice, when not ``fn``
     targets: tuple = ("gpu", "tpu")
 
     def args(self):
@@ -446,6 +477,9 @@ def programs() -> list[Program]:
         Program("rows sum 4096^2", lambda v: nx.sum(v, 1), ((4096, 4096),), bf16),
         Program("columns max 4096^2", lambda v: nx.max(v, 0), ((4096, 4096),), bf16,
                 quick=True),
+        Program("columns sum (8,3000,4096)", lambda v: nx.sum(v, 1), ((8, 3000, 4096),), bf16),
+        Program("columns logsumexp 16384x4096 f32", lambda v: nx.logsumexp(v, 0),
+                ((16384, 4096),), f32),
         Program("grad rows logsumexp 4096^2", jax.grad(_loss(lambda v: nx.logsumexp(v, 1))),
                 ((4096, 4096),), bf16),
         Program("gelu(einsum + c) 4096^3", lambda a, b, c: jax.nn.gelu(mm(a, b) + c),
@@ -576,11 +610,18 @@ class Row:
     error: str = ""
 
     @property
+    def same_program(self) -> bool:
+        """auto lowered to xla's program (not compiled: ratio 1)."""
+        return self.auto is None and not self.error
+
+    @property
     def ratio(self) -> float:
-        return self.auto.seconds / self.xla.seconds
+        return 1.0 if self.same_program else self.auto.seconds / self.xla.seconds
 
 
-def evaluate(progs, machines) -> list[Row]:
+def evaluate(progs, machines, compile_same: bool = True) -> list[Row]:
+    """One row per program and machine; ``compile_same=False`` skips compiling
+    the programs for which auto chose no kernel (the CI test's shortcut)."""
     rows = []
     for machine in machines:
         kind = MACHINES[machine].kind
@@ -588,8 +629,7 @@ def evaluate(progs, machines) -> list[Row]:
             if kind not in p.targets:
                 continue
             try:
-                rows.append(Row(p.name, machine, estimate(p, machine, "auto"),
-                                estimate(p, machine, "xla")))
+                rows.append(Row(p.name, machine, *estimate_both(p, machine, compile_same)))
             except Exception as e:  # noqa: BLE001 - a program that cannot compile is reported
                 rows.append(Row(p.name, machine, None, None, f"{type(e).__name__}: {e}"[:200]))
     return rows
@@ -608,6 +648,9 @@ def markdown(rows: list[Row]) -> str:
     for r in rows:
         if r.error:
             lines.append(f"| {r.machine} | {r.program} | | | | | compile failed: {r.error} |")
+            continue
+        if r.same_program:
+            lines.append(f"| {r.machine} | {r.program} | | | | 1 | - (xla's program) |")
             continue
         lines.append(f"| {r.machine} | {r.program} | {len(r.auto.launches)} / "
                      f"{len(r.xla.launches)} | {r.auto.seconds * 1e6:.1f} | "
