@@ -87,6 +87,7 @@ MACHINES = {
     "a100": Machine("A100", "gpu", "a100", 2.039e12, 312e12, 300e9, 108),
     "v5e": Machine("v5e", "tpu", "v5e", 819e9, 197e12, 100e9, overhead=TPU_OVERHEAD),
     "v6e": Machine("v6e", "tpu", "v6e", 1640e9, 918e12, 100e9, overhead=TPU_OVERHEAD),
+    "v5p": Machine("v5p", "tpu", "v5p", 2765e9, 459e12, 100e9, overhead=TPU_OVERHEAD),
 }
 
 
@@ -409,14 +410,22 @@ def estimate_lowered(lowered, machine: str, selection: str) -> Estimate:
     else:
         with tpu._quiet_libtpu():
             compiled = lowered.compile()
-    found = launches(compiled.as_text())
+    return Estimate(machine, selection, timed_launches(compiled.as_text(), machine, grids))
+
+
+def timed_launches(hlo_text: str, machine: str, grids: dict[str, list[int]] | None = None
+                   ) -> list[Launch]:
+    """The launches of a compiled program, timed; ``grids``: CTAs per kernel
+    name, in launch order (GPUs)."""
+    grids = {k: list(v) for k, v in (grids or {}).items()}
+    found = launches(hlo_text)
     for launch in found:
         for key in (launch.kernel, launch.name):
             if grids.get(key):
                 launch.ctas = grids[key].pop(0)
                 break
-        launch.seconds = launch_seconds(launch, m)
-    return Estimate(machine, selection, found)
+        launch.seconds = launch_seconds(launch, MACHINES[machine])
+    return found
 
 
 def estimate(program: "Program", machine: str, selection: str) -> Estimate:
@@ -619,7 +628,7 @@ class Row:
         return 1.0 if self.same_program else self.auto.seconds / self.xla.seconds
 
 
-def evaluate(progs, machines, compile_same: bool = True) -> list[Row]:
+def evaluate(progs, machines, compile_same: bool = True, progress: bool = False) -> list[Row]:
     """One row per program and machine; ``compile_same=False`` skips compiling
     the programs for which auto chose no kernel (the CI test's shortcut)."""
     rows = []
@@ -632,6 +641,8 @@ def evaluate(progs, machines, compile_same: bool = True) -> list[Row]:
                 rows.append(Row(p.name, machine, *estimate_both(p, machine, compile_same)))
             except Exception as e:  # noqa: BLE001 - a program that cannot compile is reported
                 rows.append(Row(p.name, machine, None, None, f"{type(e).__name__}: {e}"[:200]))
+            if progress:
+                print(markdown(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
     return rows
 
 
@@ -663,15 +674,25 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="the CI program set")
     parser.add_argument("--machines", default="h100,a100,v5e,v6e")
     parser.add_argument("-k", default="", help="only programs whose name contains this")
+    parser.add_argument("--write", action="store_true",
+                        help="write the table into bench/static/MODEL.md (below its notes)")
     ns = parser.parse_args(argv)
     progs = [p for p in programs() if (p.quick or not ns.quick) and ns.k in p.name]
     start = time.perf_counter()
-    rows = evaluate(progs, ns.machines.split(","))
-    print(markdown(rows))
+    rows = evaluate(progs, ns.machines.split(","), progress=True)
+    text = markdown(rows)
     worst = max((r.ratio for r in rows if not r.error), default=float("nan"))
-    print(f"\n{len(rows)} rows, worst auto/xla {worst:.2f}, "
-          f"{sum(bool(r.error) for r in rows)} failed, {time.perf_counter() - start:.0f} s")
-    return 0
+    summary = (f"{len(rows)} rows, worst auto/xla {worst:.2f}, "
+               f"{sum(bool(r.error) for r in rows)} failed, {time.perf_counter() - start:.0f} s")
+    print(text + "\n\n" + summary)
+    if ns.write:
+        out = pathlib.Path(__file__).with_name("MODEL.md")
+        notes = out.read_text().split(_TABLE_MARK)[0] if out.exists() else ""
+        out.write_text(notes + _TABLE_MARK + "\n\n" + text + "\n\n" + summary + "\n")
+    return 0 if worst <= 1.02 else 1
+
+
+_TABLE_MARK = "## The table (auto as it is now)"
 
 
 if __name__ == "__main__":

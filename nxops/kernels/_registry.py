@@ -16,6 +16,7 @@ import contextvars
 import dataclasses
 import functools
 import itertools
+import math
 from typing import Any, Callable, Iterator, Sequence
 
 
@@ -69,29 +70,38 @@ def auto_preference(op: str, platform: str) -> tuple[str, ...]:
 #
 # What it showed, and the rule that follows (per op, platform, case):
 #
-# - reduce, logsumexp over trailing axes ("rows"), on cuda: one pass over the
-#   operand against XLA's two (max, then sum of exp) and a third small kernel:
-#   4096^2 bf16 on H100 modelled 12.0 µs against 26.1 (0.46). But a custom call
-#   cannot fuse its producer: where the operand is made by an elementwise op
-#   (or anything XLA would fuse into the reduction: a convert, a broadcast, a
-#   transpose), XLA's fusion reads the producer's inputs once and the kernel
-#   would add a write and a read of the operand (`nx.sum(jnp.exp(v) * w, 1)`:
-#   2.00). So the kernel takes the case only where the operand is a program
-#   argument, a loop carry, or the result of an op XLA never fuses into a
-#   reduction (a dot, a convolution, a custom call, a collective, a reduce);
-#   anything else, or a producer the lowering cannot see (the argument of a
-#   nested function), keeps XLA.
-# - reduce, every other case (sums, maxima, columns, all axes), on cuda: XLA's
-#   reduction fusions make one pass too and fuse with their neighbours
-#   (layer norm over a named axis: 7.0 with kernels); no modelled win: XLA.
-# - reduce on tpu: XLA's fused reductions read the operand once; the Mosaic
-#   kernels at best tie by the model: XLA (see the TPU rows of MODEL.md).
-# - einsum (dot_general), cuda and tpu: cuBLAS / XLA's MXU dots tie the Pallas
-#   matmul at best (same bytes and FLOPs), and lose to it where XLA fuses
-#   around the dot (gelu epilogue 1.23, transposes in the gradient 1.15) or
-#   where the launch leaves SMs idle (8x4096x4096 on H100: 3.61): XLA.
+# - reduce, logsumexp over trailing axes ("rows"), on cuda and tpu: one pass
+#   over the operand against XLA's two (max, then sum of exp) and a third small
+#   kernel: 4096^2 bf16 modelled 12.0 µs against 26.1 on H100 (0.46), 42.0
+#   against 84.5 on v5e (0.50). But a custom call cannot fuse its producer:
+#   where the operand is made by an elementwise op (or anything XLA would fuse
+#   into the reduction: a convert, a broadcast, a transpose), XLA's fusion
+#   reads the producer's inputs once and the kernel would add a write and a
+#   read of the operand (`nx.sum(jnp.exp(v) * w, 1)`: 2.00 on H100 and v5e).
+#   So the kernel takes the case only where the operand is a program argument,
+#   a loop carry, or the result of an op XLA never fuses into a reduction (a
+#   dot, a convolution, a custom call, a collective, a reduce); anything else,
+#   or a producer the lowering cannot see (the argument of a nested function,
+#   e.g. a shard_map body), keeps XLA.
+# - reduce over a middle axis ("columns"), on cuda, with the same producer
+#   condition, where XLA's column reduction would leave SMs idle: it launches
+#   about one CTA per 128 kept columns per outer index (4096^2 bf16: 32 CTAs on
+#   132 SMs); the kernel splits the rows over 264 programs and a second small
+#   pass: modelled 14.7 µs against 43.3 (0.34); 16384x4096 f32 logsumexp 0.48.
+#   Where XLA fills the SMs the kernel's second launch loses ((8, 3000, 4096)
+#   bf16 sum over 3000: 1.05), and under 8 MiB the second launch costs more
+#   than the idle SMs. On tpu it ties (42.0 / 42.0): XLA.
+# - reduce, every other case (sums, maxima over rows, all axes, permuted
+#   axes): XLA's reduction fusions make one pass too and fuse with their
+#   neighbours (layer norm over a named axis with kernels: 7.00 on H100, 3.28
+#   on v5e); no modelled win: XLA.
+# - einsum (dot_general), cuda and tpu: the Pallas matmul ties cuBLAS / XLA's
+#   MXU dots at best (same bytes and FLOPs), and loses where XLA fuses around
+#   the dot (gelu epilogue: 1.23 on H100, 1.15 on v5e; transposes in the
+#   gradient: 1.15 on H100, 2.27 on v5e) or where its launch leaves SMs idle
+#   (8x4096x4096 on H100: 3.61): XLA.
 # - tile: XLA's dynamic slice reads only the tile; the kernel adds a launch for
-#   the index and reads its whole operand (2.42 on 4 H100s): XLA.
+#   the index and reads its whole operand (2.42 on 4 H100s; a tie on v5e): XLA.
 # - collectives: not modelled (NCCL / ICI); XLA's are tuned: XLA.
 # - rocm: no ROCm target to compile for, nothing modelled: XLA.
 #
@@ -116,9 +126,9 @@ UNFUSED_PRODUCERS = frozenset({
 EVIDENCE = {
     "rows_logsumexp": "modelled kernel/xla 0.46 on H100, 0.50 on TPU v5e "
                       "(4096^2 bf16: one pass against XLA's two)",
-    "columns": "modelled kernel/xla 0.34 on H100 (max over 4096 rows of 4096^2 bf16: "
-               "XLA's column reduction launches 32 CTAs on 132 SMs, the kernel splits "
-               "the rows over 264 programs)",
+    "columns": "XLA's column reduction would launch fewer CTAs than SMs: modelled "
+               "kernel/xla 0.34 on H100 (max over 4096 rows of 4096^2 bf16: 32 CTAs on "
+               "132 SMs; the kernel splits the rows over 264 programs)",
     "fused_producer": "XLA fuses the operand's producer {producer} into its reduction "
                       "(a kernel would write and re-read the operand: sum(exp(v)*w) "
                       "modelled 2.00 on H100)",
@@ -145,6 +155,26 @@ def _reduce_layout(aval, axes) -> str:
     return "other"
 
 
+# XLA's column reduction launches about one CTA per 128 kept columns of each
+# outer index (4096^2: 32 CTAs); below the smallest SM count of the modelled
+# GPUs (A100: 108) it leaves SMs idle, which the split kernel fills. Below 8 MiB
+# the kernel's second launch costs more than the idle SMs (model: the kernel
+# wins where bytes / bandwidth x (SMs / CTAs - 1) exceeds one launch, 2 µs).
+_XLA_COLUMN_CTAS_PER = 128
+_FEWEST_SMS = 108
+_COLUMNS_MIN_BYTES = 8 << 20
+
+
+def _xla_columns_leave_sms_idle(aval, params) -> bool:
+    from nxops.kernels._layout import canonical_view
+    shape = tuple(aval.shape)
+    axes = tuple(sorted(a % len(shape) for a in params.get("axes", ())))
+    _, (outer, _, inner) = canonical_view(shape, axes)
+    nbytes = math.prod(shape) * getattr(getattr(aval, "dtype", None), "itemsize", 4)
+    xla_ctas = outer * -(-inner // _XLA_COLUMN_CTAS_PER)
+    return xla_ctas < _FEWEST_SMS and nbytes >= _COLUMNS_MIN_BYTES
+
+
 def auto_rule(op: str, platform: str, avals: Sequence[Any], params: dict,
               producers: Sequence[str] | None) -> tuple[bool, str]:
     """(whether `auto` lets a kernel take this case, why), from the cost model's
@@ -159,7 +189,7 @@ def auto_rule(op: str, platform: str, avals: Sequence[Any], params: dict,
     layout = _reduce_layout(avals[0], params.get("axes", ()))
     if layout == "rows" and params.get("op") == "logsumexp":
         case = "rows_logsumexp"
-    elif layout == "columns" and platform == "cuda":
+    elif layout == "columns" and platform == "cuda" and _xla_columns_leave_sms_idle(avals[0], params):
         case = "columns"
     else:
         return False, EVIDENCE["reduce_other" if platform == "cuda" else "reduce_tpu"]

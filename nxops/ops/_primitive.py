@@ -22,7 +22,7 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from nxops._jax import api_util, core, dispatch, pe, sharding_impls
+from nxops._jax import api_util, core, dispatch, lower_per_platform, pe, sharding_impls
 from nxops._jax import config as jax_config
 from nxops._errors import NxopsError
 from nxops import kernels as _kernels
@@ -143,13 +143,19 @@ def kernel_primitive(name: str, op: str, reference: Callable[..., Any],
 
     prim.def_impl(functools.partial(dispatch.apply_primitive, prim))
     prim.def_abstract_eval(abstract_eval)
-    for platform in _kernels.PLATFORMS:
-        # Not cacheable: a cached lowering is emitted as a function of its own,
-        # which would hide the operands' producers from `auto`'s rule.
-        mlir.register_lowering(
-            prim, functools.partial(_lower_with_kernel, registry_op=op, platform=platform,
-                                    naming_params=naming_params),
-            platform=platform, cacheable=False)
+    rules = {platform: functools.partial(_lower_with_kernel, registry_op=op, platform=platform,
+                                         naming_params=naming_params)
+             for platform in _kernels.PLATFORMS}
+    if lower_per_platform is None:
+        for platform, rule in rules.items():
+            mlir.register_lowering(prim, rule, platform=platform)
+    else:
+        # Inline (not cacheable): a cached lowering is emitted as a function of
+        # its own, which would hide the operands' producers from `auto`'s rule.
+        def lower(ctx, *args, **params):
+            ctx = ctx.replace(avals_out=list(ctx.avals_out))   # see nxops/_jax.py
+            return lower_per_platform(ctx, name, rules, None, (), *args, **params)
+        mlir.register_lowering(prim, lower, cacheable=False)
     return prim
 
 

@@ -142,7 +142,12 @@ def test_auto_keeps_xla_where_the_model_shows_no_win():
     assert backend == "xla" and "no modelled win" in why
     backend, why = _why(lambda a: nx.max(a, 0), a, platform="tpu")
     assert backend == "xla" and "TPU" in why
-    backend, _ = _why(lambda a: nx.max(a, 0), a)
-    assert backend == "pallas"   # columns on cuda: XLA's column reduction leaves SMs idle
+    # columns on cuda: the kernel where XLA's column reduction would leave SMs idle
+    # (4096 columns: 32 CTAs), XLA where it fills them or the operand is small
+    big = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
+    assert _why(lambda a: nx.max(a, 0), big)[0] == "pallas"
+    assert _why(lambda a: nx.max(a, 0), a)[0] == "xla"
+    assert _why(lambda a: nx.sum(a, 1), jax.ShapeDtypeStruct((8, 3000, 4096), jnp.bfloat16))[0] \
+        == "xla"
     with nx.kernels.use("pallas"):   # an explicit choice is obeyed
         assert _why(lambda a: nx.einsum("mk,kn->mn", a, a), a)[0] == "pallas"
