@@ -269,6 +269,7 @@ class Launch:
     collective: bool
     ctas: int | None = None
     seconds: float = 0.0
+    custom_kernel: bool = False   # a Pallas / Triton / Mosaic custom call
 
 
 def launches(hlo_text: str) -> list[Launch]:
@@ -324,8 +325,11 @@ def _walk(comps, comp: str, out: list[Launch], seen: set) -> None:
                 result = instr.type[1:].split(", ", 1)[0] if instr.type.startswith("(") else result
             nbytes = _nbytes(result) + sum(_nbytes(types.get(o, "")) for o in instr.operands)
         f32 = any(d == "f32" for o in instr.operands[:2] for d, _ in _arrays(types.get(o, "")))
+        custom = op == "custom-call" and re.search(
+            r'custom_call_target="(tpu_custom_call|__gpu\$xla\.gpu\.triton|triton_kernel_call)"',
+            instr.attrs) is not None
         out.append(Launch(instr.name, op, kernel, nbytes, flops, f32,
-                          any(op.startswith(c) for c in _COLLECTIVES)))
+                          any(op.startswith(c) for c in _COLLECTIVES), custom_kernel=custom))
 
 
 # --- timing -------------------------------------------------------------------------
@@ -351,8 +355,8 @@ class Estimate:
 
     @property
     def kernels(self) -> list[str]:
-        return [l.kernel for l in self.launches if l.kernel.startswith("nxops")
-                or "triton_kernel" in l.kernel]
+        """nxops' Pallas / Triton / Mosaic kernels among the launches."""
+        return [l.kernel for l in self.launches if l.kernel.startswith("nxops") or l.custom_kernel]
 
 
 _LAUNCH_LINE = re.compile(r"(\S+) grid: \[(\d+), (\d+), (\d+)\]")

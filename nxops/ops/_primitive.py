@@ -22,7 +22,8 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from nxops._jax import api_util, core, dispatch, lower_per_platform, pe, sharding_impls
+from nxops._jax import (api_util, core, dispatch, lower_per_platform, pe, sharding_impls,
+                        source_info_util)
 from nxops._jax import config as jax_config
 from nxops._errors import NxopsError
 from nxops import kernels as _kernels
@@ -60,12 +61,16 @@ def _lower_with_kernel(ctx, *args, registry_op: str, platform: str, naming_param
     fn = functools.partial(choice.kernel.fn, platform=platform, **params)
     # Kernels are local computations: trace them on plain avals (no sharding,
     # no shard_map varying-axes types) outside any mesh context.
+    # A fresh name stack: kernels are named as they were when each lowering was
+    # a function of its own (not "jvp_..." after the transformations above them).
     local_ctx = ctx.replace(avals_in=[_local_aval(a) for a in ctx.avals_in],
-                            avals_out=[_local_aval(a) for a in ctx.avals_out])
+                            avals_out=[_local_aval(a) for a in ctx.avals_out],
+                            name_stack=source_info_util.new_name_stack())
     with _kernels.target_devices(_lowering_devices(ctx)):
         with (jax.sharding.use_abstract_mesh(_kernels.kernel_mesh(platform)),
               jax_config._check_vma(False)):
             return mlir.lower_fun(fn, multiple_results=False)(local_ctx, *args)
+
 
 # Ops that only re-view their operand (XLA makes them bitcasts): the producer
 # that matters is their operand's.
