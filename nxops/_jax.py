@@ -50,6 +50,19 @@ from jax._src.pallas import core as pallas_core  # noqa: F401
 # ordered effect, accepted by jax.checkpoint). No public alternative.
 from jax._src import effects  # noqa: F401
 
+# One primitive lowered per platform where a module is lowered for several
+# (jax.export for cpu+cuda+tpu): nxops' kernel primitives lower inline
+# (uncacheable: a cached lowering becomes a function of its own, hiding each
+# operand's producer from `auto`'s rule), and JAX 0.10's per-platform switch
+# for uncacheable primitives fails (it concatenates a list with the context's
+# tuple of result avals); ops/_primitive.py calls this switch itself with a
+# list. None where it moved: the primitives then keep JAX's cached lowering
+# and `auto` sees no producer (it keeps XLA). No public alternative.
+try:
+    from jax._src.interpreters.mlir import lower_per_platform  # noqa: F401
+except ImportError:  # pragma: no cover - a JAX where it moved
+    lower_per_platform = None
+
 
 def vma_checked() -> bool:
     """Whether the enclosing ``shard_map`` body is traced with ``check_vma=True``.

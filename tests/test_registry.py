@@ -168,25 +168,35 @@ def test_lowering_reports_unbound_names():
 
 def test_mosaic_kernels_need_every_mesh_axis_manual_on_tpu():
     # Mosaic custom calls cannot be split by XLA's partitioner: under auto-
-    # partitioned mesh axes `auto` falls back to xla and says why; an explicit
+    # partitioned mesh axes `auto` keeps xla and says why; an explicit
     # `pallas` raises. With every axis manual, the Pallas kernel is used.
     mesh = jax.make_mesh((4, 2), ("x", "y"))
     x = np.ones((8, 4), np.float32)
     partial_mesh = nx.xmap(lambda v: nx.sum(v, ("b", 0)), [["b", ...]], [...], axis_resources={"b": "x"})
     full_mesh = nx.xmap(lambda v: nx.sum(v, ("b", 0)), [["b", ...]], [...], axis_resources={"b": ("x", "y")})
     with jax.set_mesh(mesh):
-        report = nx.kernels.explain(partial_mesh, x, platform="tpu")
-        assert report.backends() == {"reduce": {"xla"}}
-        assert "cannot be partitioned automatically" in str(report)
-        assert nx.kernels.explain(full_mesh, x, platform="tpu").backends() == {"reduce": {"pallas"}}
-        with nx.kernels.use("pallas"), pytest.raises(nx.NxopsError, match="every mesh axis is manual"):
-            nx.kernels.explain(partial_mesh, x, platform="tpu")
-
-
-def test_auto_prefers_pallas_compute_kernels_but_xla_collectives_on_tpu():
+        assert nx.kernels.explain(partial_mesh, x, platform="tpu").backends() == {"reduce": {"xla"}}
+        with nx.kernels.use("pallas"):
+            assert nx.kernels.explain(full_mesh, x, platform="tpu").backends() == {"reduce": {"pallas"}}
+            with pytest.raises(nx.NxopsError, match="every mesh axis is manual"):
+                nx.kernels.explain(partial_mesh, x, platform="tpu")
+    # where auto's rule would take the kernel (a rows logsumexp of an argument)
     aval = jax.typeof(jnp.ones((8, 128)))
     auto = nx.kernels.parse_selection("auto")
-    assert _registry.choose("reduce", "tpu", auto, (aval,), axes=(1,), op="sum").kernel.backend == "pallas"
+    choice = _registry.choose("reduce", "tpu", auto, (aval,), True, (_registry.ARGUMENT,),
+                              axes=(1,), op="logsumexp")
+    assert choice.kernel.backend == "xla" and "cannot be partitioned automatically" in choice.describe()
+
+
+def test_auto_on_tpu_takes_the_kernels_its_rule_allows_and_xla_collectives():
+    aval = jax.typeof(jnp.ones((8, 128)))
+    auto = nx.kernels.parse_selection("auto")
+    lse = _registry.choose("reduce", "tpu", auto, (aval,), False, (_registry.ARGUMENT,),
+                           axes=(1,), op="logsumexp")
+    assert lse.kernel.backend == "pallas" and "modelled" in lse.describe()
+    total = _registry.choose("reduce", "tpu", auto, (aval,), False, (_registry.ARGUMENT,),
+                             axes=(1,), op="sum")
+    assert total.kernel.backend == "xla" and "no modelled win" in total.describe()
     gather = _registry.choose("all_gather", "tpu", auto, (aval,), axis_name="x", axis=0, tiled=True)
     assert gather.kernel.backend == "xla"
     explicit = _registry.choose("all_gather", "tpu", nx.kernels.parse_selection("collective=pallas"),
@@ -218,22 +228,29 @@ def test_explain_for_another_platform_covers_collectives():
     assert report.platform == "tpu" and report.backends() == {"all_gather": {"pallas"}}
 
 
+@skip_without_triton
+def test_auto_on_cuda_prefers_pallas_then_triton_where_its_rule_takes_a_kernel(monkeypatch):
+    aval = jax.typeof(jnp.ones((4, 4)))
+    auto = nx.kernels.parse_selection("auto")
+    case = ("reduce", "cuda", auto, (aval,), False, (_registry.ARGUMENT,))
+    params = dict(axes=(1,), op="logsumexp")
+    assert _registry.choose(*case, **params).kernel.backend == "pallas"
+    # Where Pallas declines, Triton takes the case.
+    pallas = _registry._KERNELS[("reduce", "pallas")]
+    monkeypatch.setitem(_registry._KERNELS, ("reduce", "pallas"), dataclasses.replace(
+        pallas, not_supported_reasons=lambda *a, **k: ["declined for the test"]))
+    choice = _registry.choose(*case, **params)
+    assert choice.kernel.backend == "triton"
+    assert "declined for the test" in choice.describe()
+
+
 @pytest.mark.parametrize("op, params", [
-    ("reduce", dict(axes=(1,), op="sum")),
     ("dot_general", dict(dimension_numbers=(((1,), (0,)), ((), ())))),
     ("tile", dict(dim=0, count=2)),
 ])
-@skip_without_triton
-def test_auto_on_cuda_prefers_pallas_then_triton(monkeypatch, op, params):
+def test_auto_on_cuda_keeps_xla_for_matmuls_and_tiles(op, params):
     aval = jax.typeof(jnp.ones((4, 4)))
-    avals = {"reduce": (aval,), "dot_general": (aval, aval),
-             "tile": (aval, jax.typeof(jnp.int32(0)))}[op]
-    auto = nx.kernels.parse_selection("auto")
-    assert _registry.choose(op, "cuda", auto, avals, **params).kernel.backend == "pallas"
-    # Where Pallas declines, Triton takes the case.
-    pallas = _registry._KERNELS[(op, "pallas")]
-    monkeypatch.setitem(_registry._KERNELS, (op, "pallas"), dataclasses.replace(
-        pallas, not_supported_reasons=lambda *a, **k: ["declined for the test"]))
-    choice = _registry.choose(op, "cuda", auto, avals, **params)
-    assert choice.kernel.backend == "triton"
-    assert "declined for the test" in choice.describe()
+    avals = {"dot_general": (aval, aval), "tile": (aval, jax.typeof(jnp.int32(0)))}[op]
+    choice = _registry.choose(op, "cuda", nx.kernels.parse_selection("auto"), avals,
+                              False, (_registry.ARGUMENT,) * 2, **params)
+    assert choice.kernel.backend == "xla" and "no modelled win" in choice.describe()

@@ -336,14 +336,26 @@ def _reduce(op, axis):
     return lambda v: getattr(nx, op)(v, axis)
 
 
+def _modelled_us(report: GpuCompileReport, arch: str) -> float:
+    """The program's time by bench/static/model.py (from what it launches)."""
+    from bench.static import model
+    grids: dict[str, list[int]] = {}
+    for k in report.kernels:
+        grids.setdefault(k.name, []).append(k.blocks)
+    return sum(l.seconds for l in model.timed_launches(report.hlo_text, arch, grids)) * 1e6
+
+
 def table(archs=("h100", "a100"), backends=("pallas", "triton")) -> str:
-    """The markdown table of every kernel x case x dtype x arch x backend."""
+    """The markdown table of every kernel x case x dtype x arch x backend, and
+    for each case the XLA baseline row (``NXOPS_KERNELS=xla``, dots as cuBLAS)."""
     import jax.numpy as jnp
 
     import nxops as nx
+    from bench.static import model
 
     rows = ["| arch | backend | case | dtype | kernel | grid | warps | regs | spills (B) | "
-            "smem (B) | CTAs/SM | tensor cores | roofline (µs) |", "|" + "---|" * 13]
+            "smem (B) | CTAs/SM | tensor cores | roofline (µs) | program modelled (µs) |",
+            "|" + "---|" * 14]
     for arch in archs:
         for label, fn, args, nbytes, flops in _cases():
             body, mesh = fn, {}
@@ -351,17 +363,25 @@ def table(archs=("h100", "a100"), backends=("pallas", "triton")) -> str:
                 body = nx.xmap(lambda v: nx.tile(v, {"t": 0}), [...], ["t", ...],
                                axis_sizes={"t": 4}, axis_resources={"t": "x"})
                 mesh = dict(mesh_shape=(4,), mesh_axes=("x",))
+            dtype = jnp.dtype(args[0].dtype).name
+            roof = roofline_seconds(arch, nbytes, flops if "matmul" in label else 0) * 1e6
             for backend in backends:
                 with nx.kernels.use(backend):
                     report = compile_gpu(body, *args, arch=arch, **mesh)
-                dtype = jnp.dtype(args[0].dtype).name
-                roof = roofline_seconds(arch, nbytes, flops if "matmul" in label else 0) * 1e6
+                modelled = _modelled_us(report, arch)
                 for k in [k for k in report.kernels if k.name.startswith("nxops") or mesh]:
                     rows.append(
                         f"| {arch} | {backend} | {label} | {dtype} | {k.name} | "
                         f"{'x'.join(map(str, k.grid))} | {k.warps} | {k.registers} | "
                         f"{k.spill_stores}/{k.spill_loads} | {k.shared_memory + (k.static_smem or 0)} | "
-                        f"{k.ctas_per_sm} | {k.tensor_core or '-'} | {roof:.1f} |")
+                        f"{k.ctas_per_sm} | {k.tensor_core or '-'} | {roof:.1f} | {modelled:.1f} |")
+            program = model.Program(label, body, tuple(a.shape for a in args),
+                                    tuple(a.dtype for a in args),
+                                    gpu_mesh=mesh.get("mesh_shape", (1,)))
+            xla = model.estimate(program, arch, "xla")
+            names = ", ".join(sorted({l.kernel for l in xla.launches}))
+            rows.append(f"| {arch} | xla | {label} | {dtype} | {len(xla.launches)} launches: "
+                        f"{names} | | | | | | | | {roof:.1f} | {xla.seconds * 1e6:.1f} |")
     return "\n".join(rows)
 
 
@@ -385,6 +405,14 @@ threads and shared memory against the SM's limits. Roofline: bytes / HBM
 bandwidth (3.35 TB/s H100, 2.039 TB/s A100), or for matmuls max(that, FLOPs /
 dense bf16 tensor peak: 989 / 312 TFLOP/s). A case with two rows of one
 backend is a split reduction or split-K (partials, then a second launch).
+*program modelled*: `bench/static/model.py`'s time of the whole compiled
+program (per launch max(HBM bytes of its HLO operands and results /
+bandwidth, dot FLOPs / tensor peak), slowed by SMs / CTAs where a launch has
+fewer CTAs than SMs, + 2 µs), never a kernel's declared cost. Under each
+case's kernel rows, its **xla** row: the same program under
+`NXOPS_KERNELS=xla` (dots as cuBLAS calls), its launches and modelled time.
+Which kernels `NXOPS_KERNELS=auto` takes is decided from these figures
+(`python -m bench.static.model`, bench/static/MODEL.md).
 
 Issue 10, before (main at ae5bc8c) and after: the Pallas kernels that
 changed, 4096x4096 (64 / 32 MiB) and the 8x3000x4096 columns case. "a + b":

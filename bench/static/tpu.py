@@ -209,39 +209,48 @@ def _us(seconds: float | None) -> str:
     return "n/a" if seconds is None or seconds < 0 else f"{seconds * 1e6:.1f}"
 
 
-def table(chips=("v5e", "v5p", "v6e"), dtypes=None) -> str:
-    """The markdown table: chip x case x dtype (Pallas selected; jnp baseline)."""
+def _modelled_us(report: TpuCompileReport) -> str:
+    """The program's time by bench/static/model.py (from what it launches)."""
+    from bench.static import model
+    return f"{sum(l.seconds for l in model.timed_launches(report.hlo_text, report.chip)) * 1e6:.1f}"
+
+
+def table(chips=("v5e", "v6e"), dtypes=None) -> str:
+    """The markdown table: chip x case x dtype, a Pallas row (NXOPS_KERNELS=pallas)
+    and beside it the XLA baseline row (the jnp program), each with the cost
+    model's time (bench/static/model.py: from the compiled launches, never
+    from a kernel's declared cost)."""
     import jax.numpy as jnp
 
     import nxops as nx
 
     dtypes = dtypes or (jnp.float32, jnp.bfloat16)
-    rows = ["| chip | case | dtype | Mosaic kernels | args / out / temp (MiB) | kernel estimate "
-            "GFLOP, MB | XLA optimal (µs) with kernels | jnp baseline optimal (µs) | "
-            "roofline (µs) | compile (s) |", "|" + "---|" * 10]
+    rows = ["| chip | case | dtype | backend | Mosaic kernels | args / out / temp (MiB) | "
+            "modelled (µs) | roofline (µs) | compile (s) |", "|" + "---|" * 9]
     for chip in chips:
         for case in cases():
             for dtype in dtypes:
                 size = jnp.dtype(dtype).itemsize
                 args = [jax.ShapeDtypeStruct(s, dtype) for s in case.shapes]
+                head = f"| {chip} | {case.label} | {jnp.dtype(dtype).name} |"
+                roof = _us(roofline_seconds(chip, case.nbytes * size, case.flops))
                 try:
                     with nx.kernels.use("pallas"):
                         report = compile_tpu(case.kernel, *args, chip=chip)
                 except nx.NxopsError as e:   # a case the kernel declines (not a compile error)
                     reason = str(e).split(" on tpu: ", 1)[-1].split(". Use ")[0]
-                    rows.append(f"| {chip} | {case.label} | {jnp.dtype(dtype).name} | "
-                                f"declined: {reason} | | | | | | |")
-                    continue
+                    rows.append(f"{head} pallas | declined: {reason} | | | | |")
+                    report = None
                 base = compile_tpu(case.baseline, *args, chip=chip)
-                m = report.memory
-                est = [f"{f / 1e9:.2f}, {b / 1e6:.1f}" for f, _, b in report.estimates]
-                roof = roofline_seconds(chip, case.nbytes * size, case.flops)
-                rows.append(
-                    f"| {chip} | {case.label} | {jnp.dtype(dtype).name} | "
-                    f"{', '.join(report.kernels) or '-'} | {_mib(m['argument_size_in_bytes'])} / "
-                    f"{_mib(m['output_size_in_bytes'])} / {_mib(m['temp_size_in_bytes'])} | "
-                    f"{'; '.join(est) or '-'} | {_us(report.optimal_seconds)} | "
-                    f"{_us(base.optimal_seconds)} | {_us(roof)} | {report.seconds:.2f} |")
+                for backend, r in (("pallas", report), ("xla (jnp)", base)):
+                    if r is None:
+                        continue
+                    m = r.memory
+                    rows.append(
+                        f"{head} {backend} | {', '.join(r.kernels) or '-'} | "
+                        f"{_mib(m['argument_size_in_bytes'])} / {_mib(m['output_size_in_bytes'])} / "
+                        f"{_mib(m['temp_size_in_bytes'])} | {_modelled_us(r)} | {roof} | "
+                        f"{r.seconds:.2f} |")
     return "\n".join(rows)
 
 
@@ -253,45 +262,32 @@ def main() -> None:
     print(f"wrote {out} ({text.count(chr(10)) - 1} rows, {time.perf_counter() - start:.0f} s)")
 
 
-_TPU_MD_HEADER = """# Pallas kernels compiled for TPU v5e, v5p and v6e (no TPU needed)
+_TPU_MD_HEADER = """# Pallas kernels compiled for TPU v5e and v6e (no TPU needed), beside XLA
 
 Written by `python -m bench.static.tpu` (JAX_PLATFORMS=cpu, libtpu from the
 `compile` extra): each case is compiled by libtpu for a 4-chip slice
-(`v5e:2x2`, `v5p:2x2x1`, `v6e:2x2`) inside a `shard_map` over all chips, with
-`NXOPS_KERNELS=pallas`; shapes are **per chip** (bench shapes of
-`bench_reduce.py`, `bench_einsum.py`, `bench_collectives.py`; matmul at 1024^3
-and 8192^3, not the 256^3 small one). Every Mosaic kernel compiled: a Mosaic
-error would have stopped the generation.
+(`v5e:2x2`, `v6e:2x2`) inside a `shard_map` over all chips, once with
+`NXOPS_KERNELS=pallas` and once as the same computation written with
+`jnp`/`lax` (the XLA baseline row under it); shapes are **per chip** (bench
+shapes of `bench_reduce.py`, `bench_einsum.py`, `bench_collectives.py`;
+matmul at 1024^3 and 8192^3). Every Mosaic kernel compiled: a Mosaic error
+would have stopped the generation.
 
-- *Mosaic kernels*: the program's `tpu_custom_call`s; *kernel estimate*: the
-  `pl.CostEstimate` each one declares (GFLOP, MB accessed), as it reaches XLA.
+- *Mosaic kernels*: the program's `tpu_custom_call`s.
 - *args / out / temp*: `compiled.memory_analysis()` per chip.
-- *XLA optimal*: `compiled.cost_analysis()['optimal_seconds']`, XLA's TPU cost
-  model of the whole program, which counts each Mosaic kernel by its
-  `CostEstimate`; *jnp baseline*: the same for the program written with
-  `jnp`/`lax` (the reference time). n/a: XLA's model answered a negative time
-  (it does for the matmul gradients). A Mosaic kernel's share of that time
-  comes from the estimate it declares (analytic bytes and FLOPs, not Mosaic's
-  code): the column shows what XLA adds around kernels (relayouts, copies,
-  padding) and whether the declared traffic beats the baseline's fusions.
-- *roofline*: minimum bytes / HBM bandwidth (819, 2765, 1640 GB/s) or
-  FLOPs / dense bf16 peak (197, 459, 918 TFLOP/s), whichever is larger.
-  Collectives: HBM bytes only (ICI not modelled).
-- The ring reduce-scatter keeps its operand in VMEM and declines operands over
-  its 12 MiB budget (the 64 MiB shard): the XLA collective runs those.
-
-What this table changed (XLA optimal, µs, before -> after; jnp baseline):
-
-| chip | case | dtype | before | after | jnp | fix |
-|---|---|---|---|---|---|---|
-| v5e | matmul 8192^3 | bfloat16 | 11826.8 | 6004.4 | 5581.3 | 512x512 output tiles (were 256x256: A and B re-read 32 times, memory-bound) |
-| v5p | matmul 8192^3 | bfloat16 | 3711.7 | 2790.6 | 2790.6 | same |
-| v5p | tile (8192, 4096) | float32 | 171.3 (temp 160 MiB) | 28.6 (temp 0) | 28.6 | the view keeps the last dim: no relayout copy of the input and the tile |
-
-Still open: v6e wants larger matmul tiles than v5e/v5p (8192^3 bf16 is
-memory-bound at 512x512 there; the kernels know the platform, not the chip
-generation); a tile along a dim before the second-minor one still relayouts
-when the second-minor dim is not a multiple of 8 (e.g. (64, 12, 256) along 0).
+- *modelled*: `bench/static/model.py`'s time of the compiled program: per
+  launch max(HBM bytes of its HLO operands and results / bandwidth, dot
+  FLOPs / MXU peak) + 0.5 µs. It never reads a kernel's declared
+  `pl.CostEstimate` (nor XLA's `optimal_seconds`, which counts kernels by
+  their declared estimate: earlier versions of this table showed it, and it
+  proved nothing about the kernels). A Mosaic kernel is credited with one
+  read of each operand, in its favour (a tiled matmul re-reads them).
+- *roofline*: minimum bytes / HBM bandwidth (819, 1640 GB/s) or FLOPs /
+  dense bf16 peak (197, 918 TFLOP/s), whichever is larger. Collectives: HBM
+  bytes only (ICI not modelled).
+- Which of these kernels `NXOPS_KERNELS=auto` takes, per case, is decided
+  from `python -m bench.static.model` (bench/static/MODEL.md) and written in
+  `nxops/kernels/_registry.py`.
 
 """
 

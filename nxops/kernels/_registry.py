@@ -16,6 +16,7 @@ import contextvars
 import dataclasses
 import functools
 import itertools
+import math
 from typing import Any, Callable, Iterator, Sequence
 
 
@@ -36,36 +37,167 @@ BACKENDS: tuple[str, ...] = ("xla", "pallas", "triton")
 CHOICES: tuple[str, ...] = ("auto",) + BACKENDS
 PLATFORMS: tuple[str, ...] = ("cpu", "cuda", "rocm", "tpu")
 
-# `auto` prefers these backends, in order, on each platform; `xla` is always
-# the last resort. On CPU the Pallas/Triton kernels only run interpreted, which
-# is for testing, never faster: `auto` keeps XLA there.
+# Where `auto`'s rule (below) lets a kernel take a case, it tries these
+# backends in order on each platform; `xla` is always the last resort. On CPU
+# the Pallas/Triton kernels only run interpreted, which is for testing, never
+# faster: `auto` keeps XLA there.
 AUTO_PREFERENCE: dict[str, tuple[str, ...]] = {
     "cpu": ("xla",),
     "cuda": ("pallas", "triton", "xla"),
     "rocm": ("pallas", "xla"),
     "tpu": ("pallas", "xla"),
 }
-# On cuda, Pallas before Triton, on the deviceless compile evidence
-# (bench/static/GPU.md; no GPU has timed either yet): both meet the static
-# targets (0 spills, >= 1 CTA per SM for large reductions and tiles, >= 4
-# CTAs/SM for logsumexp, pipelined 128x256 wgmma / 128x128 mma.sync tiles),
-# and Pallas does it with fewer registers for the same tiles (4096^3 bf16
-# matmul on H100: 186 against 218) and no extra package. Triton runs where
-# Pallas declines, and `einsum=triton` gives split-K for skinny matmuls
-# (8x4096x4096: 256 programs against Pallas' 32).
-#
-# Per-family exceptions. The Pallas ring collectives have only run in TPU
-# interpret mode; XLA's ICI collectives are tuned, so `auto` keeps them until
-# the kernels are measured on a TPU (`collective=pallas` still selects them).
-AUTO_PREFERENCE_BY_FAMILY: dict[tuple[str, str], tuple[str, ...]] = {
-    ("collective", "tpu"): ("xla",),
-}
+AUTO_PREFERENCE_BY_FAMILY: dict[tuple[str, str], tuple[str, ...]] = {}
 
 
 def auto_preference(op: str, platform: str) -> tuple[str, ...]:
-    """The backends `auto` tries for ``op`` on ``platform``, in order."""
+    """The backends `auto` tries for ``op`` on ``platform``, in order, where
+    its rule lets a kernel take the case."""
     default = AUTO_PREFERENCE.get(platform, ("xla",))
     return AUTO_PREFERENCE_BY_FAMILY.get((OP_FAMILY[op], platform), default)
+
+
+# ---------------------------------------------------------------------------
+# `auto`'s rule: a kernel only where the cost model says it wins
+#
+# The evidence is `python -m bench.static.model` (bench/static/model.py, table
+# in bench/static/MODEL.md): each program compiled deviceless for H100/A100
+# (XLA's GPU compiler, dots as cuBLAS) and TPU v5e/v6e (libtpu) under `auto`
+# and under `xla`, its time estimated from what the compiled program launches
+# (per launch max(HBM bytes of its operands and results / bandwidth, dot
+# FLOPs / tensor peak), GPU launches with fewer CTAs than SMs slowed
+# accordingly, + a fixed cost per launch; never a kernel's declared cost).
+#
+# What it showed, and the rule that follows (per op, platform, case):
+#
+# - reduce, logsumexp over trailing axes ("rows"), on cuda and tpu: one pass
+#   over the operand against XLA's two (max, then sum of exp) and a third small
+#   kernel: 4096^2 bf16 modelled 12.0 µs against 26.1 on H100 (0.46), 42.0
+#   against 84.5 on v5e (0.50). But a custom call cannot fuse its producer:
+#   where the operand is made by an elementwise op (or anything XLA would fuse
+#   into the reduction: a convert, a broadcast, a transpose), XLA's fusion
+#   reads the producer's inputs once and the kernel would add a write and a
+#   read of the operand (`nx.sum(jnp.exp(v) * w, 1)`: 2.00 on H100 and v5e).
+#   So the kernel takes the case only where the operand is a program argument,
+#   a loop carry, or the result of an op XLA never fuses into a reduction (a
+#   dot, a convolution, a custom call, a collective, a reduce); anything else,
+#   or a producer the lowering cannot see (the argument of a nested function,
+#   e.g. a shard_map body), keeps XLA.
+# - reduce over a middle axis ("columns"), on cuda, with the same producer
+#   condition, where XLA's column reduction would leave SMs idle: it launches
+#   about one CTA per 128 kept columns per outer index (4096^2 bf16: 32 CTAs on
+#   132 SMs); the kernel splits the rows over 264 programs and a second small
+#   pass: modelled 14.7 µs against 43.3 (0.34); 16384x4096 f32 logsumexp 0.48.
+#   Where XLA fills the SMs the kernel's second launch loses ((8, 3000, 4096)
+#   bf16 sum over 3000: 1.05), and under 8 MiB the second launch costs more
+#   than the idle SMs. On tpu it ties (42.0 / 42.0): XLA.
+# - reduce, every other case (sums, maxima over rows, all axes, permuted
+#   axes): XLA's reduction fusions make one pass too and fuse with their
+#   neighbours (layer norm over a named axis with kernels: 7.00 on H100, 3.28
+#   on v5e); no modelled win: XLA.
+# - einsum (dot_general), cuda and tpu: the Pallas matmul ties cuBLAS / XLA's
+#   MXU dots at best (same bytes and FLOPs), and loses where XLA fuses around
+#   the dot (gelu epilogue: 1.23 on H100, 1.15 on v5e; transposes in the
+#   gradient: 1.15 on H100, 2.27 on v5e) or where its launch leaves SMs idle
+#   (8x4096x4096 on H100: 3.61): XLA.
+# - tile: XLA's dynamic slice reads only the tile; the kernel adds a launch for
+#   the index and reads its whole operand (2.42 on 4 H100s; a tie on v5e): XLA.
+# - collectives: not modelled (NCCL / ICI); XLA's are tuned: XLA.
+# - rocm: no ROCm target to compile for, nothing modelled: XLA.
+#
+# An explicit `NXOPS_KERNELS=pallas` / `triton` (or op=backend) is obeyed as
+# before: the rule decides only `auto`.
+
+# What made an operand, as the lowering rule sees it in the module being built
+# (``producers`` of `choose`): "argument" (a parameter of the program or a
+# loop's carry), the StableHLO op's name (e.g. "stablehlo.multiply"), or
+# "unknown" (e.g. the argument of a nested function).
+ARGUMENT, UNKNOWN = "argument", "unknown"
+# Producers XLA does not fuse into a reduction: the operand is in HBM anyway.
+UNFUSED_PRODUCERS = frozenset({
+    ARGUMENT, "stablehlo.dot_general", "stablehlo.dot", "stablehlo.convolution",
+    "stablehlo.custom_call", "stablehlo.reduce", "stablehlo.all_reduce",
+    "stablehlo.all_gather", "stablehlo.reduce_scatter", "stablehlo.all_to_all",
+    "stablehlo.collective_permute", "stablehlo.sort", "stablehlo.scatter",
+    "stablehlo.while", "stablehlo.case", "stablehlo.rng_bit_generator",
+})
+
+# The modelled figures quoted in `explain`'s "why" (bench/static/MODEL.md).
+EVIDENCE = {
+    "rows_logsumexp": "modelled kernel/xla 0.46 on H100, 0.50 on TPU v5e "
+                      "(4096^2 bf16: one pass against XLA's two)",
+    "columns": "XLA's column reduction would launch fewer CTAs than SMs: modelled "
+               "kernel/xla 0.34 on H100 (max over 4096 rows of 4096^2 bf16: 32 CTAs on "
+               "132 SMs; the kernel splits the rows over 264 programs)",
+    "fused_producer": "XLA fuses the operand's producer {producer} into its reduction "
+                      "(a kernel would write and re-read the operand: sum(exp(v)*w) "
+                      "modelled 2.00 on H100)",
+    "reduce_other": "no modelled win: XLA's reduction fusion makes one pass and fuses "
+                    "with its neighbours (layer norm over a named axis: 7.0 on H100)",
+    "reduce_tpu": "no modelled win on TPU: XLA's fused reduction reads the operand once",
+    "einsum": "no modelled win: cuBLAS/XLA dots tie the kernel at best and fuse "
+              "epilogues and transposes (gelu 1.23, grad 1.15, 8x4096x4096 3.61 on H100)",
+    "tile": "no modelled win: XLA's dynamic slice reads only the tile "
+            "(kernel 2.42 on 4 H100s)",
+    "collective": "not modelled (NCCL / ICI); XLA's collectives are kept",
+    "cpu": "kernels run interpreted on cpu (for testing)",
+    "unmodelled": "no modelled win on {platform}",
+}
+
+
+def _reduce_layout(aval, axes) -> str:
+    from nxops.kernels._layout import canonical_view
+    shape = tuple(getattr(aval, "shape", ()))
+    axes = tuple(sorted(a % len(shape) for a in axes)) if shape else ()
+    permutation, (_, _, inner) = canonical_view(shape, axes)
+    if permutation is None and axes:
+        return "rows" if inner == 1 else "columns"
+    return "other"
+
+
+# XLA's column reduction launches about one CTA per 128 kept columns of each
+# outer index (4096^2: 32 CTAs); below the smallest SM count of the modelled
+# GPUs (A100: 108) it leaves SMs idle, which the split kernel fills. Below 8 MiB
+# the kernel's second launch costs more than the idle SMs (model: the kernel
+# wins where bytes / bandwidth x (SMs / CTAs - 1) exceeds one launch, 2 µs).
+_XLA_COLUMN_CTAS_PER = 128
+_FEWEST_SMS = 108
+_COLUMNS_MIN_BYTES = 8 << 20
+
+
+def _xla_columns_leave_sms_idle(aval, params) -> bool:
+    from nxops.kernels._layout import canonical_view
+    shape = tuple(aval.shape)
+    axes = tuple(sorted(a % len(shape) for a in params.get("axes", ())))
+    _, (outer, _, inner) = canonical_view(shape, axes)
+    nbytes = math.prod(shape) * getattr(getattr(aval, "dtype", None), "itemsize", 4)
+    xla_ctas = outer * -(-inner // _XLA_COLUMN_CTAS_PER)
+    return xla_ctas < _FEWEST_SMS and nbytes >= _COLUMNS_MIN_BYTES
+
+
+def auto_rule(op: str, platform: str, avals: Sequence[Any], params: dict,
+              producers: Sequence[str] | None) -> tuple[bool, str]:
+    """(whether `auto` lets a kernel take this case, why), from the cost model's
+    evidence (see the comment above)."""
+    family = OP_FAMILY[op]
+    if platform == "cpu":
+        return False, EVIDENCE["cpu"]
+    if family != "reduce":
+        return False, EVIDENCE.get(family, EVIDENCE["unmodelled"].format(platform=platform))
+    if platform not in ("cuda", "tpu"):
+        return False, EVIDENCE["unmodelled"].format(platform=platform)
+    layout = _reduce_layout(avals[0], params.get("axes", ()))
+    if layout == "rows" and params.get("op") == "logsumexp":
+        case = "rows_logsumexp"
+    elif layout == "columns" and platform == "cuda" and _xla_columns_leave_sms_idle(avals[0], params):
+        case = "columns"
+    else:
+        return False, EVIDENCE["reduce_other" if platform == "cuda" else "reduce_tpu"]
+    producer = (producers or (UNKNOWN,))[0]
+    if producer not in UNFUSED_PRODUCERS:
+        return False, EVIDENCE["fused_producer"].format(producer=producer)
+    return True, f"{case.replace('_', ' ')} of {'an' if producer == ARGUMENT else 'a'} " \
+        f"{producer}: {EVIDENCE[case]}"
 
 NotSupportedReasons = Callable[..., Sequence[str]]
 
@@ -240,9 +372,11 @@ class Choice:
     kernel: Kernel
     requested: str
     passed_over: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    why: str = ""   # `auto`'s reason (the modelled evidence)
 
     def describe(self) -> str:
-        text = f"{self.kernel.backend} (requested {self.requested})"
+        text = f"{self.kernel.backend} (requested {self.requested}"
+        text += f": {self.why})" if self.why else ")"
         for backend, reasons in self.passed_over:
             text += f"; {backend} not used: {'; '.join(reasons)}"
         return text
@@ -263,13 +397,17 @@ def _reasons(kernel: Kernel, platform: str, avals: Sequence[Any], params: dict,
 
 
 def choose(op: str, platform: str, selection: Selection, avals: Sequence[Any],
-           auto_partitioned: bool = False, /, **params: Any) -> Choice:
+           auto_partitioned: bool = False, producers: Sequence[str] | None = None, /,
+           **params: Any) -> Choice:
     """The kernel that runs ``op`` for this case on ``platform``.
 
-    ``auto`` takes the first backend of ``auto_preference(op, platform)`` that is
-    registered and supports the case; an explicitly requested backend that
-    cannot take the case raises NxopsError with its reasons. ``auto_partitioned``
-    says the op is lowered where XLA partitions some mesh axes automatically.
+    ``auto`` keeps XLA unless ``auto_rule`` (the cost model's evidence) lets a
+    kernel take the case; then it takes the first backend of
+    ``auto_preference(op, platform)`` that is registered and supports the case.
+    An explicitly requested backend that cannot take the case raises NxopsError
+    with its reasons. ``auto_partitioned`` says the op is lowered where XLA
+    partitions some mesh axes automatically; ``producers`` says what made each
+    operand (see ``ARGUMENT``; None: unknown).
     """
     requested = selection.backend_for(op)
     if any(getattr(aval, "size", 1) == 0 for aval in avals):
@@ -278,6 +416,9 @@ def choose(op: str, platform: str, selection: Selection, avals: Sequence[Any],
         return Choice(_KERNELS[(op, "xla")], requested,
                       ((requested, ("zero-size operands: nothing for a kernel to do",)),))
     if requested == "auto":
+        wins, why = auto_rule(op, platform, avals, params, producers)
+        if not wins:
+            return Choice(_KERNELS[(op, "xla")], requested, (), why)
         passed_over = []
         for backend in auto_preference(op, platform):
             kernel = _KERNELS.get((op, backend))
@@ -285,7 +426,7 @@ def choose(op: str, platform: str, selection: Selection, avals: Sequence[Any],
                 continue
             reasons = _reasons(kernel, platform, avals, params, auto_partitioned)
             if not reasons:
-                return Choice(kernel, requested, tuple(passed_over))
+                return Choice(kernel, requested, tuple(passed_over), why if backend != "xla" else "")
             passed_over.append((backend, reasons))
         return Choice(_KERNELS[(op, "xla")], requested, tuple(passed_over))
 

@@ -22,7 +22,8 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from nxops._jax import api_util, core, dispatch, pe, sharding_impls
+from nxops._jax import (api_util, core, dispatch, lower_per_platform, pe, sharding_impls,
+                        source_info_util)
 from nxops._jax import config as jax_config
 from nxops._errors import NxopsError
 from nxops import kernels as _kernels
@@ -55,17 +56,54 @@ def _lower_with_kernel(ctx, *args, registry_op: str, platform: str, naming_param
     params = _kernel_params(params, naming_params)
     selection = _kernels.parse_selection(kernels)
     choice = _kernels.choose(registry_op, platform, selection, ctx.avals_in,
-                              _is_auto_partitioned(ctx), **params)
+                              _is_auto_partitioned(ctx), _producers(args), **params)
     _kernels.report(registry_op, choice, ctx.avals_in)
     fn = functools.partial(choice.kernel.fn, platform=platform, **params)
     # Kernels are local computations: trace them on plain avals (no sharding,
     # no shard_map varying-axes types) outside any mesh context.
+    # A fresh name stack: kernels are named as they were when each lowering was
+    # a function of its own (not "jvp_..." after the transformations above them).
     local_ctx = ctx.replace(avals_in=[_local_aval(a) for a in ctx.avals_in],
-                            avals_out=[_local_aval(a) for a in ctx.avals_out])
+                            avals_out=[_local_aval(a) for a in ctx.avals_out],
+                            name_stack=source_info_util.new_name_stack())
     with _kernels.target_devices(_lowering_devices(ctx)):
         with (jax.sharding.use_abstract_mesh(_kernels.kernel_mesh(platform)),
               jax_config._check_vma(False)):
             return mlir.lower_fun(fn, multiple_results=False)(local_ctx, *args)
+
+
+# Ops that only re-view their operand (XLA makes them bitcasts): the producer
+# that matters is their operand's.
+_VIEWS = ("stablehlo.reshape", "stablehlo.bitcast_convert")
+# Regions whose block arguments XLA cannot fuse across: the program's entry
+# function and loop / branch bodies.
+_UNFUSABLE_REGIONS = ("stablehlo.while", "stablehlo.case", "stablehlo.if")
+
+
+def _producers(args) -> tuple[str, ...]:
+    """What made each operand, for `auto`'s rule (``_kernels.ARGUMENT``, the
+    StableHLO op's name, or ``_kernels.UNKNOWN``)."""
+    return tuple(_producer(a) for a in args)
+
+
+def _producer(value) -> str:
+    try:
+        for _ in range(8):
+            if isinstance(value, mlir.ir.BlockArgument):
+                parent = value.owner.owner.operation
+                if parent.name in _UNFUSABLE_REGIONS:
+                    return _kernels.ARGUMENT
+                if parent.name == "func.func" and \
+                        mlir.ir.StringAttr(parent.attributes["sym_name"]).value == "main":
+                    return _kernels.ARGUMENT
+                return _kernels.UNKNOWN   # a nested function's argument: its caller is not visible
+            op = value.owner.operation
+            if op.name not in _VIEWS:
+                return op.name
+            value = op.operands[0]
+    except Exception:  # noqa: BLE001 - an IR shape we do not know: say so, and auto keeps XLA
+        return _kernels.UNKNOWN
+    return _kernels.UNKNOWN
 
 
 def _lowering_devices(ctx) -> tuple:
@@ -110,11 +148,19 @@ def kernel_primitive(name: str, op: str, reference: Callable[..., Any],
 
     prim.def_impl(functools.partial(dispatch.apply_primitive, prim))
     prim.def_abstract_eval(abstract_eval)
-    for platform in _kernels.PLATFORMS:
-        mlir.register_lowering(
-            prim, functools.partial(_lower_with_kernel, registry_op=op, platform=platform,
-                                    naming_params=naming_params),
-            platform=platform)
+    rules = {platform: functools.partial(_lower_with_kernel, registry_op=op, platform=platform,
+                                         naming_params=naming_params)
+             for platform in _kernels.PLATFORMS}
+    if lower_per_platform is None:
+        for platform, rule in rules.items():
+            mlir.register_lowering(prim, rule, platform=platform)
+    else:
+        # Inline (not cacheable): a cached lowering is emitted as a function of
+        # its own, which would hide the operands' producers from `auto`'s rule.
+        def lower(ctx, *args, **params):
+            ctx = ctx.replace(avals_out=list(ctx.avals_out))   # see nxops/_jax.py
+            return lower_per_platform(ctx, name, rules, None, (), *args, **params)
+        mlir.register_lowering(prim, lower, cacheable=False)
     return prim
 
 

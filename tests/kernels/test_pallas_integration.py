@@ -1,7 +1,7 @@
 """The Pallas kernels behind the named ops: ``nx.sum`` / ``nx.einsum`` under
 ``nx.kernels.use("pallas")`` on CPU (interpret mode) against the xla kernels,
 ``nx.kernels.explain`` for cuda/tpu, and the kernel custom calls in programs
-lowered for cuda/tpu under both ``pallas`` and ``auto``."""
+lowered for cuda/tpu under ``pallas`` (and ``auto`` where its rule takes a kernel)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,10 +41,10 @@ def test_pallas_on_cpu_matches_xla(name):
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
 def test_accelerators_lower_the_selected_kernels(platform, name):
-    """auto and "pallas": Pallas on cuda and tpu; "triton": jax-triton's calls on cuda."""
+    """"pallas": Pallas on cuda and tpu; "triton": jax-triton's calls on cuda."""
     fn, shapes = PROGRAMS[name]
     args = data(*shapes)
-    selections = ("auto", "pallas", "triton") if platform == "cuda" else ("auto", "pallas")
+    selections = ("pallas", "triton") if platform == "cuda" else ("pallas",)
     for selection in selections:
         backend = "triton" if selection == "triton" else "pallas"
         with nx.kernels.use(selection):
@@ -60,10 +60,29 @@ def test_accelerators_lower_the_selected_kernels(platform, name):
             assert "mosaic_gpu" not in text
 
 
+# What `auto` picks for PROGRAMS (the cost model's rule, nxops/kernels/_registry.py):
+# the rows logsumexp of an argument on both (column sums this small stay XLA's).
+AUTO = {("logsumexp", "cuda"): "pallas", ("logsumexp", "tpu"): "pallas"}
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_auto_lowers_kernels_where_its_rule_takes_them(platform, name):
+    fn, shapes = PROGRAMS[name]
+    args = data(*shapes)
+    want = AUTO.get((name, platform), "xla")
+    explanation = nx.kernels.explain(fn, *args, platform=platform)
+    assert all(b == {want} for b in explanation.backends().values()), str(explanation)
+    assert (CALL_TARGET[platform] in lower_text(fn, *args, platform=platform)) == (want == "pallas")
+
+
 def test_auto_keeps_xla_on_cpu_and_for_unsupported_cases():
-    x = jnp.arange(12, dtype=jnp.int32).reshape(3, 4)
-    fn = lambda x: nx.sum(x, 1)  # noqa: E731
-    assert nx.kernels.explain(fn, x.astype(jnp.float32), platform="cpu").backends() == {"reduce": {"xla"}}
+    # 16 MiB of columns: a case auto's rule gives the kernel on cuda
+    x = jax.ShapeDtypeStruct((4096, 1024), jnp.int32)
+    fn = lambda x: nx.sum(x, 0)  # noqa: E731
+    f32 = jax.ShapeDtypeStruct(x.shape, jnp.float32)
+    assert nx.kernels.explain(fn, f32, platform="cpu").backends() == {"reduce": {"xla"}}
+    assert nx.kernels.explain(fn, f32, platform="cuda").backends() == {"reduce": {"pallas"}}
     explanation = nx.kernels.explain(fn, x, platform="cuda")
     assert explanation.backends() == {"reduce": {"xla"}}
     assert "int32" in str(explanation)

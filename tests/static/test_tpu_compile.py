@@ -2,7 +2,9 @@
 deviceless): every Mosaic kernel compiles forward and backward in f32 and bf16
 (a Mosaic error fails the module's fixture, as it would fail on a TPU), the
 compiled programs have a memory analysis, and each kernel's pl.CostEstimate
-reaches XLA's cost model."""
+(the traffic XLA's scheduler is told) is the analytic count and reaches XLA.
+Whether a kernel is faster than XLA is bench/static/model.py's question
+(tests/static/test_cost_model.py), never answered from these estimates."""
 import jax
 import jax.numpy as jnp
 import pytest
@@ -106,9 +108,6 @@ def test_each_kernel_declares_its_cost_and_xla_counts_it(compiled):
         # XLA's cost model adds the kernels' estimates to the program's cost
         assert lse.cost["transcendentals"] >= n, (chip, dtype, lse.cost)
         assert mm.cost["flops"] >= flops, (chip, dtype, mm.cost)
-        # (the estimate's bytes at the chip's bandwidth bound the time from below; XLA's
-        # model answers a negative time for some programs, this matmul among them)
-        assert lse.optimal_seconds >= n * itemsize / tpu.CHIPS[chip].bandwidth, (chip, lse.cost)
         for name in ("all_gather", "reduce_scatter", "tile"):
             (est,) = reports[name, dtype].estimates
             assert est[2] > 0, (chip, name, dtype)

@@ -1,0 +1,153 @@
+"""The cost model (bench/static/model.py) on its quick program set: every
+program compiled deviceless for H100 and TPU v5e/v6e under NXOPS_KERNELS=auto
+and =xla; `auto` must model at or below `xla` (<= 1.02) everywhere, and every
+kernel it chooses must model as a win. Compile-time facts only (no clocks)."""
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nxops as nx
+from bench.static import model
+
+MACHINES = ["h100", "v5e", "v6e"]
+
+
+def _extras_missing() -> str:
+    for module, extra in (("jax_plugins.xla_cuda12", "jax-cuda12-plugin"), ("libtpu", "libtpu")):
+        try:
+            if importlib.util.find_spec(module) is None:
+                return f"{extra} is not installed (pip install 'nxops[compile]')"
+        except ModuleNotFoundError:
+            return f"{extra} is not installed (pip install 'nxops[compile]')"
+    return ""
+
+
+needs_compile_extras = pytest.mark.skipif(bool(_extras_missing()), reason=_extras_missing())
+
+
+@pytest.fixture(scope="module")
+def rows():
+    quick = [p for p in model.programs() if p.quick]
+    # where auto lowers to xla's very program the ratio is 1: only the programs
+    # where auto chose kernels are compiled (twice)
+    return model.evaluate(quick, MACHINES, compile_same=False)
+
+
+@needs_compile_extras
+def test_auto_never_models_slower_than_xla(rows):
+    assert {r.machine for r in rows} == set(MACHINES)
+    assert not [r for r in rows if r.error], model.markdown([r for r in rows if r.error])
+    slower = [r for r in rows if r.ratio > 1.02]
+    assert not slower, "\n" + model.markdown(slower)
+
+
+@needs_compile_extras
+def test_every_kernel_auto_chooses_models_as_a_win(rows):
+    chosen = [r for r in rows if not r.same_program]
+    assert chosen   # the rows logsumexp of an argument, at least
+    for r in chosen:
+        assert r.auto.kernels, r.program   # a different program: it has nxops kernels
+        assert r.ratio < 1.0, "\n" + model.markdown([r])
+    lse = {r.machine: r for r in rows if r.program.startswith("rows logsumexp")}
+    assert set(lse) == set(MACHINES)
+    assert all("nxops_reduce_rows_logsumexp" in " ".join(r.auto.kernels) for r in lse.values())
+
+
+# --- reading the compiled HLO (no compile needed) -------------------------------------
+
+_HLO = """HloModule m, is_scheduled=true
+
+%fused_add (param_0: f32[1024,256], param_1: f32[64,256]) -> f32[64,256] {
+  %param_0 = f32[1024,256]{1,0} parameter(0)
+  %slice.1 = f32[64,256]{1,0} slice(%param_0), slice={[0:64], [0:256]}
+  %param_1 = f32[64,256]{1,0} parameter(1)
+  ROOT %add.1 = f32[64,256]{1,0} add(%slice.1, %param_1)
+}
+
+%fused_dot (param_0.1: bf16[128,512], param_1.1: bf16[512,64]) -> f32[128,64] {
+  %param_1.1 = bf16[512,64]{1,0} parameter(1)
+  %param_0.1 = bf16[128,512]{1,0} parameter(0)
+  ROOT %dot.1 = f32[128,64]{1,0} dot(%param_0.1, %param_1.1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (a: f32[1024,256], b: f32[64,256], c: bf16[128,512], d: bf16[512,64]) -> (f32[64,256], f32[128,64], bf16[128,64]) {
+  %a = f32[1024,256]{1,0} parameter(0)
+  %b = f32[64,256]{1,0} parameter(1)
+  %c = bf16[128,512]{1,0} parameter(2)
+  %d = bf16[512,64]{1,0} parameter(3)
+  %sliced = f32[64,256]{1,0} fusion(%a, %b), kind=kLoop, calls=%fused_add
+  %dotted = f32[128,64]{1,0} fusion(%c, %d), kind=kOutput, calls=%fused_dot
+  %gemm = (bf16[128,64]{1,0}, s8[4194304]{0}) custom-call(%c, %d), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}
+  %prefetch = (f32[64,256]{1,0:S(1)}, f32[64,256]{1,0}, u32[]) copy-start(%b)
+  %done = f32[64,256]{1,0:S(1)} copy-done(%prefetch)
+  %gte = bf16[128,64]{1,0} get-tuple-element(%gemm), index=0
+  ROOT %out = (f32[64,256]{1,0}, f32[128,64]{1,0}, bf16[128,64]{1,0}) tuple(%sliced, %dotted, %gte)
+}
+"""
+
+
+def test_launches_count_hbm_bytes_and_dot_flops_from_the_hlo():
+    found = {l.name: l for l in model.launches(_HLO)}
+    assert sorted(found) == ["dotted", "gemm", "prefetch", "sliced"]   # no parameter, tuple, done
+    tile = 64 * 256 * 4
+    # the fusion only slices `a`: it reads the slice, b, and writes the sum
+    assert found["sliced"].nbytes == 3 * tile and found["sliced"].flops == 0
+    dot_bytes = (128 * 512 + 512 * 64) * 2
+    assert found["dotted"].nbytes == dot_bytes + 128 * 64 * 4
+    assert found["dotted"].flops == found["gemm"].flops == 2 * 128 * 64 * 512
+    # cuBLAS' s8 workspace is not traffic
+    assert found["gemm"].nbytes == dot_bytes + 128 * 64 * 2
+    # a copy into on-chip memory (S(1)) reads its source once
+    assert found["prefetch"].nbytes == tile
+
+
+def test_launch_time_is_the_roofline_slowed_by_idle_sms_plus_the_overhead():
+    h100 = model.MACHINES["h100"]
+    launch = model.Launch("k", "fusion", "k", nbytes=3.35e6, flops=0.0, f32=False,
+                          collective=False, ctas=33)
+    np.testing.assert_allclose(model.launch_seconds(launch, h100), 1e-6 * 4 + 2e-6)
+    launch.ctas, launch.flops = 1000, 989e6
+    np.testing.assert_allclose(model.launch_seconds(launch, h100), 1e-6 + 2e-6)
+    launch.f32 = True   # f32 dots at half the bf16 peak
+    np.testing.assert_allclose(model.launch_seconds(launch, h100), 2e-6 + 2e-6)
+
+
+# --- auto's rule, as `explain` reports it (lowering only) ---------------------------
+
+def _why(fn, *args, platform="cuda"):
+    (report, *_) = nx.kernels.explain(fn, *args, platform=platform).reports
+    return report.choice.kernel.backend, report.choice.describe()
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_auto_takes_the_logsumexp_kernel_only_where_no_producer_would_fuse(platform):
+    v = jnp.ones((64, 256), jnp.bfloat16)
+    backend, why = _why(lambda v: nx.logsumexp(v, 1), v, platform=platform)
+    assert backend == "pallas" and "rows logsumexp of an argument" in why and "0.46" in why
+    backend, why = _why(lambda v: nx.logsumexp(jnp.exp(v) * 2, 1), v, platform=platform)
+    assert backend == "xla" and "stablehlo.multiply" in why
+    # a nested function's argument: its producer is not visible, XLA is kept
+    backend, why = _why(jax.jit(lambda v: nx.logsumexp(v, 1)), v, platform=platform)
+    assert backend == "xla" and "unknown" in why
+
+
+def test_auto_keeps_xla_where_the_model_shows_no_win():
+    a = jnp.ones((64, 64), jnp.bfloat16)
+    backend, why = _why(lambda a: nx.einsum("mk,kn->mn", a, a), a)
+    assert backend == "xla" and "no modelled win" in why
+    backend, why = _why(lambda a: nx.sum(a, 1), a)
+    assert backend == "xla" and "no modelled win" in why
+    backend, why = _why(lambda a: nx.max(a, 0), a, platform="tpu")
+    assert backend == "xla" and "TPU" in why
+    # columns on cuda: the kernel where XLA's column reduction would leave SMs idle
+    # (4096 columns: 32 CTAs), XLA where it fills them or the operand is small
+    big = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
+    assert _why(lambda a: nx.max(a, 0), big)[0] == "pallas"
+    assert _why(lambda a: nx.max(a, 0), a)[0] == "xla"
+    assert _why(lambda a: nx.sum(a, 1), jax.ShapeDtypeStruct((8, 3000, 4096), jnp.bfloat16))[0] \
+        == "xla"
+    with nx.kernels.use("pallas"):   # an explicit choice is obeyed
+        assert _why(lambda a: nx.einsum("mk,kn->mn", a, a), a)[0] == "pallas"
