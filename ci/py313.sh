@@ -26,6 +26,11 @@ mount_all() {
   mountpoint -q "$ROOT/proc" || mount -t proc proc "$ROOT/proc"
   mountpoint -q "$ROOT/sys" || mount --rbind /sys "$ROOT/sys"
   mountpoint -q "$ROOT/dev" || mount --rbind /dev "$ROOT/dev"
+  # shared/ beside the checkout (the defect repros the tests compare with)
+  if [ -d "$REPO/../shared" ]; then
+    mkdir -p "$ROOT/shared"
+    mountpoint -q "$ROOT/shared" || mount --bind -o ro "$REPO/../shared" "$ROOT/shared"
+  fi
   # name resolution (pip; the multi-process tests resolve the hostname) and the
   # CA bundle pip trusts here
   cp /etc/resolv.conf /etc/hosts "$ROOT/etc/"
@@ -33,7 +38,7 @@ mount_all() {
 }
 
 unmount_all() {
-  for m in nxops proc sys dev; do
+  for m in nxops shared proc sys dev; do
     mountpoint -q "$ROOT/$m" 2>/dev/null && umount -R -l "$ROOT/$m" || true
   done
 }

@@ -29,3 +29,24 @@ def skip_without_extra(extra: str, *modules: str) -> pytest.MarkDecorator:
 
 # The triton backend's tests (run by Triton's interpreter on CPU) need triton itself.
 skip_without_triton = skip_without_extra("triton", "triton")
+
+
+def gpu_compile_missing() -> str | None:
+    """Why deviceless GPU compiles cannot run here (no CUDA plugin or no ptxas
+    from the nvcc wheel: CUDA 12 for JAX 0.10, CUDA 13 for JAX 0.12), or None."""
+    import importlib.util  # noqa: PLC0415
+    plugins = ("jax_cuda12_plugin", "jax_cuda13_plugin")
+    if not any(importlib.util.find_spec(p) is not None for p in plugins):
+        return f"needs nxops' compile extra (no CUDA plugin): {install_command('compile')}"
+    try:
+        from bench.static.gpu import ptxas_path  # noqa: PLC0415
+        ptxas_path()
+    except (ImportError, FileNotFoundError):
+        return f"needs nxops' compile extra (no ptxas): {install_command('compile')}"
+    return None
+
+
+def require_gpu_compile() -> None:
+    reason = gpu_compile_missing()
+    if reason:
+        pytest.skip(reason, allow_module_level=True)

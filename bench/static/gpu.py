@@ -5,7 +5,7 @@ an H100 or A100, on a machine with no GPU.
     report = compile_gpu(fn, *args, arch="h100", mesh_shape=(8,), mesh_axes=("x",))
     report.kernels   # per kernel: grid, threads, registers, spills, smem, CTAs/SM, tensor cores
 
-Needs the ``compile`` extra (jax-cuda12-plugin, jax-cuda12-pjrt, nvidia-cuda-nvcc-cu12)
+Needs the ``compile`` extra (the CUDA plugin of this JAX and the nvcc wheel)
 and ``JAX_PLATFORMS=cpu``. ``jax.experimental.topologies`` gives devices of a
 GPU described by ``targets/<arch>.txtpb`` (a ``GpuTargetConfigProto`` written
 from the device's public figures); the program is compiled with a dump

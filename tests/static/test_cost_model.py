@@ -11,17 +11,16 @@ import pytest
 
 import nxops as nx
 from bench.static import model
+from tests._extras import gpu_compile_missing
 
 MACHINES = ["h100", "v5e", "v6e"]
 
 
 def _extras_missing() -> str:
-    for module, extra in (("jax_plugins.xla_cuda12", "jax-cuda12-plugin"), ("libtpu", "libtpu")):
-        try:
-            if importlib.util.find_spec(module) is None:
-                return f"{extra} is not installed (pip install 'nxops[compile]')"
-        except ModuleNotFoundError:
-            return f"{extra} is not installed (pip install 'nxops[compile]')"
+    if (reason := gpu_compile_missing()):
+        return reason
+    if importlib.util.find_spec("libtpu") is None:
+        return "libtpu is not installed (nxops' compile extra)"
     return ""
 
 

@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from tests._extras import require_extra
+from tests._extras import require_gpu_compile
 
-require_extra("compile", "jax_cuda12_plugin", "nvidia.cuda_nvcc")
+require_gpu_compile()
 
 import nxops as nx
 from bench.static import gpu

@@ -7,10 +7,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from tests._extras import require_extra
+from tests._extras import require_extra, require_gpu_compile
 
 require_extra("triton", "triton", "jax_triton")
-require_extra("compile", "jax_cuda12_plugin", "nvidia.cuda_nvcc")
+require_gpu_compile()
 
 import nxops as nx
 from bench.static import gpu
