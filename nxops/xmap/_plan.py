@@ -42,7 +42,7 @@ class AxisPlan:
     tile: int
     vmap_name: str
     # True keeps a vmap level even for a tile of 1 (the fallback when the
-    # body's variance cannot be analysed: see _variance.output_variance).
+    # body's variance cannot be analysed: see _variance.analyse_body).
     force_vmap: bool = False
 
     @property
