@@ -53,6 +53,10 @@ class SerialLoop:
                              f"positive int, e.g. SerialLoop(4).")
         check_remat(self.remat, f"SerialLoop({self.length})")
 
+    def __repr__(self) -> str:   # the default remat unshown, as before it existed
+        remat = "" if self.remat is True else f", remat={self.remat!r}"
+        return f"SerialLoop(length={self.length}{remat})"
+
     @property
     def name(self) -> str:
         return f"SerialLoop#{self.uid}({self.length})"

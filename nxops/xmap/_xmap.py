@@ -294,8 +294,10 @@ class _OffMesh:
     so does this: the mesh is unset around the call and the inputs moved to the
     mesh's first device. The results are then replicated over the mesh, as they
     were (so they mix with other arrays on the mesh). Inside a trace (an
-    enclosing jit or xmap) the enclosing program decides, and if a nested xmap
-    uses mesh axes (``NeedsMesh``) the program runs on the mesh after all.
+    enclosing jit or xmap) the enclosing program decides. If a nested xmap
+    uses mesh axes (``NeedsMesh``), or the program does not build off the mesh
+    (e.g. the body closes over an array typed for the mesh: a key made under
+    ``jax.set_mesh``), it runs on the mesh after all, as before.
     """
 
     def __init__(self, mesh: Mesh, jitted, on_mesh):
@@ -308,24 +310,27 @@ class _OffMesh:
     def __call__(self, *args):
         if self._needs_mesh or not _jax_core.trace_state_clean():
             return self._on_mesh(*args)
-        try:
-            with jax.set_mesh(None), off_mesh(self._mesh):
-                results = self._jitted(*self._on_one_device(args))
-        except NeedsMesh:
-            self._needs_mesh = True
+        results = self._try_off_mesh(self._jitted, args)
+        if results is None:
             return self._on_mesh(*args)
         replicated = NamedSharding(self._mesh, PartitionSpec())
         return jax.tree.map(lambda x: jax.device_put(x, replicated), results)
 
     def lower(self, *args):
-        if self._needs_mesh:
-            return self._on_mesh.lower(*args)
+        lowered = None if self._needs_mesh else self._try_off_mesh(self._jitted.lower, args)
+        return self._on_mesh.lower(*args) if lowered is None else lowered
+
+    def _try_off_mesh(self, fn, args):
+        """``fn`` off the mesh, or None (from now on) where that cannot work."""
         try:
             with jax.set_mesh(None), off_mesh(self._mesh):
-                return self._jitted.lower(*self._on_one_device(args))
-        except NeedsMesh:
+                return fn(*self._on_one_device(args))
+        except NxopsError:
+            raise   # the user's error, wherever the program runs
+        except Exception:  # noqa: BLE001 - NeedsMesh, or mesh-typed closed-over arrays
+            # On the mesh the program either works, or reports its own error.
             self._needs_mesh = True
-            return self._on_mesh.lower(*args)
+            return None
 
     def _on_one_device(self, args: tuple) -> tuple:
         def move(x):
