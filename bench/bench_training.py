@@ -18,6 +18,9 @@ collectives. Placements: ``dp`` (batch on dp), ``mp`` (shard on mp),
   (``extra_info["ratio_median"]``): on a shared machine consecutive timings
   drift, and interleaving puts both under the same load (ABBA cancels a
   drift within the round).
+
+Not in the ``quick`` subset (about 4 minutes on this project's loaded CPU):
+``pytest bench/bench_training.py -k interleaved --benchmark-only``.
 """
 from __future__ import annotations
 
@@ -135,7 +138,6 @@ def _time_call(fn, args) -> float:
     return time.perf_counter() - start
 
 
-@pytest.mark.quick
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_training_step_interleaved(benchmark, peak, placement):
     mesh, steps, args = training_steps(placement)
