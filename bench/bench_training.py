@@ -155,7 +155,7 @@ def test_training_step_interleaved(benchmark, peak, placement):
         assert_same_step(steps["xmap"](*args), steps["baseline"](*args))   # also compiles both
         measure(benchmark, one_round, work=None, peak=peak, dtype=F32, rounds=INTERLEAVED_ROUNDS,
                 group="frontend-training-interleaved",
-                info=info(placement, "xmap and baseline, one round each"))
+                info=info(placement, "xmap and baseline, one ABBA round"))
     ratios = [x / b for x, b in zip(times["xmap"], times["baseline"])]
     benchmark.extra_info.update(
         rounds=len(ratios), ratio_median=statistics.median(ratios),
