@@ -41,6 +41,14 @@ def _notes(info: dict) -> str:
                      f"{info['bytes_ratio_to_ring']:.2f}x ring bound ({info['hlo_collectives']})")
     if "temp_ratio_to_unlooped" in info:
         notes.append(f"temp {info['temp_bytes']} B = {info['temp_ratio_to_unlooped']:.3f}x unlooped")
+    if "temp_ratio_grad" in info:
+        notes.append(f"temp forward {info['temp_bytes_forward']} B = "
+                     f"{info['temp_ratio_forward']:.3f}x, jax.grad {info['temp_bytes_grad']} B = "
+                     f"{info['temp_ratio_grad']:.3f}x unlooped")
+    if "ratio_median" in info:
+        notes.append(f"xmap / baseline, median of {info['rounds']} interleaved rounds: "
+                     f"{info['ratio_median']:.3f} ({info['xmap_median_s'] * 1e3:.3g} ms / "
+                     f"{info['baseline_median_s'] * 1e3:.3g} ms)")
     if "note" in info:
         notes.append(info["note"])
     return "; ".join(notes)

@@ -4,9 +4,15 @@ Along a logical axis of size ``N`` mapped to mesh axes of total size ``M`` and
 loops of lengths ``L1..Lk``, the global position is
 ``mesh_index * (L1..Lk * T) + loop_indices * T + tile_index`` with
 ``T = N / (M * L1..Lk)``: mesh axes are major, loops next, the vmap tile minor.
+
+A name carried by mesh axes alone (``T == 1``, no loops) gets no vmap level:
+a size-1 ``vmap`` would only add size-1 dimensions, which cost transposes and
+copies in the compiled program that a hand-written ``shard_map`` does not have.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 from typing import Any, Sequence, Union
@@ -35,13 +41,24 @@ class AxisPlan:
     loops: tuple[Loop, ...]
     tile: int
     vmap_name: str
+    # True keeps a vmap level even for a tile of 1 (the fallback when the
+    # body's variance cannot be analysed: see _variance.analyse_body).
+    force_vmap: bool = False
 
     @property
     def resources(self) -> tuple[Any, ...]:
         return self.mesh_axes + self.loops
 
+    @property
+    def vmapped(self) -> bool:
+        """Whether the name has a local vmap level: not when mesh axes alone
+        carry it (a loop keeps it, since positions put the tile after the loop
+        steps)."""
+        return self.force_vmap or not (self.tile == 1 and self.mesh_axes and not self.loops)
+
     def logical_axis(self) -> LogicalAxis:
-        return LogicalAxis(physical=self.mesh_axes + (self.vmap_name,), loops=self.loops)
+        tile = (self.vmap_name,) if self.vmapped else ()
+        return LogicalAxis(physical=self.mesh_axes + tile, loops=self.loops)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +83,15 @@ class Plan:
 
     def logical_axes(self) -> dict[str, LogicalAxis]:
         return {a.name: a.logical_axis() for a in self.axes}
+
+    def unvmapped(self) -> tuple[str, ...]:
+        """The names that run without a vmap level (carried by mesh axes alone)."""
+        return tuple(a.name for a in self.axes if not a.vmapped)
+
+    def with_vmap_levels(self) -> "Plan":
+        """The same plan with a vmap level for every name (tiles of 1 included)."""
+        axes = tuple(dataclasses.replace(a, force_vmap=True) for a in self.axes)
+        return dataclasses.replace(self, axes=axes)
 
 
 def _show(resources: Sequence[Any]) -> str:
@@ -101,6 +127,28 @@ def normalize_axis_resources(axis_resources: Any, defined: Sequence[str]) -> dic
                 f"resources, but specified {_show(resources)} for axis {name!r}.")
         normalized[name] = resources
     return normalized
+
+
+class NeedsMesh(Exception):
+    """An xmap traced off the mesh (its own plan uses no mesh axis: see
+    ``_xmap._OffMesh``) contains a nested xmap whose plan uses mesh axes, so
+    the outer one must run on the mesh after all."""
+
+
+# The mesh in scope at the call of an xmap traced off the mesh (None: not off).
+_OFF_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar(
+    "nxops_off_mesh", default=None)
+
+
+@contextlib.contextmanager
+def off_mesh(mesh: Mesh):
+    """Traces an xmap body with ``mesh`` hidden; nested plans that would use
+    it raise NeedsMesh."""
+    token = _OFF_MESH.set(mesh)
+    try:
+        yield
+    finally:
+        _OFF_MESH.reset(token)
 
 
 def mesh_in_scope() -> Mesh | None:
@@ -170,7 +218,8 @@ def check_shared_resources(plan: Plan, spec: AxisSpec, what: str) -> None:
 def plan_axis_resources(sizes: dict[str, int], axis_resources: dict[str, tuple],
                         order: Sequence[str]) -> Plan:
     """Resolves resources against the mesh and loops in scope and checks sizes."""
-    mesh = mesh_in_scope()
+    hidden = _OFF_MESH.get()
+    mesh = hidden if hidden is not None else mesh_in_scope()
     loops = {loop.name: loop for loop in loops_in_scope()}
     manual = set(jax.sharding.get_abstract_mesh().manual_axes)
     axes, all_missing = [], []
@@ -213,6 +262,8 @@ def plan_axis_resources(sizes: dict[str, int], axis_resources: dict[str, tuple],
     used_loops = tuple(dict.fromkeys(loop for a in axes for loop in a.loops))
     used_mesh = tuple(a for a in (mesh.axis_names if mesh is not None else ())
                       if any(a in p.mesh_axes for p in axes))
+    if used_mesh and hidden is not None:
+        raise NeedsMesh()
     return Plan(tuple(axes), used_loops, mesh if used_mesh else None, used_mesh)
 
 

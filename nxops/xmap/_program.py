@@ -9,8 +9,11 @@ and ``TileTag(name)``, and an output's *full layout* is the list of tags of its
 split form. Every level returns outputs whose layout is the full layout
 restricted to the tags not yet consumed by enclosing levels.
 
-Every named axis gets a vmap level (of size 1 when its mesh axes and loops
-cover it), so vmap's own batching tells which outputs vary along which names.
+A named axis gets a vmap level, so vmap's own batching tells which outputs
+vary along it, unless mesh axes alone carry it (``AxisPlan.vmapped``): its
+size-1 tile dimension is then squeezed away (a size-1 vmap costs transposes
+and copies in the compiled program), and the variance walk of the body
+(``_variance.analyse_body``) tells which outputs vary along it.
 """
 from __future__ import annotations
 
@@ -157,6 +160,30 @@ def _tile_level(plan: Plan, name: str, inner: Inner, outputs: _Outputs) -> Inner
     return level
 
 
+def _squeeze_level(name: str, inner: Inner, outputs: _Outputs, variance: list) -> Inner:
+    """A name carried by mesh axes alone: its size-1 tile dimension is dropped
+    from the inputs and put back into the results (reshapes, no vmap)."""
+    tag = TileTag(name)
+
+    def level(flat: list, layouts: list) -> tuple[list, list]:
+        flat = [jnp.squeeze(x, lay.index(tag)) if tag in lay else x
+                for x, lay in zip(flat, layouts)]
+        outs, inner_layouts = inner(flat, [[t for t in lay if t != tag] for lay in layouts])
+        new_outs, new_layouts = [], []
+        for j, (x, lay) in enumerate(zip(outs, inner_layouts)):
+            if tag not in outputs.layouts[j]:
+                if name in variance[j]:
+                    raise _varies_error(outputs, j, name)
+                new_outs.append(x)
+                new_layouts.append(lay)
+                continue
+            target = _restrict(outputs.layouts[j], lay, tag)
+            new_outs.append(jnp.expand_dims(x, target.index(tag)))
+            new_layouts.append(target)
+        return new_outs, new_layouts
+    return level
+
+
 def _zeros_like_aval(aval):
     zeros = jnp.zeros(aval.shape, aval.dtype)
     varying = tuple(getattr(aval.manual_axis_type, "varying", ()) or ())
@@ -234,7 +261,8 @@ def _loop_level(loop, inner: Inner, outputs: _Outputs) -> Inner:
                     [o for o, s in zip(outs, stacked) if s])
 
         init = [_zeros_like_aval(a) for a, s in zip(step_avals, stacked) if not s]
-        carried, ys = lax.scan(step, init, (steps, xs), length=loop.length)
+        carried, ys = lax.scan(_rematerialized(step, loop.remat), init, (steps, xs),
+                               length=loop.length)
         carried, ys = iter(carried), iter(ys)
         new_outs, new_layouts = [], []
         for j, (s, lay) in enumerate(zip(stacked, inner_layouts)):
@@ -247,6 +275,19 @@ def _loop_level(loop, inner: Inner, outputs: _Outputs) -> Inner:
             new_layouts.append(target)
         return new_outs, new_layouts
     return level
+
+
+def _rematerialized(step: Callable, remat: Any) -> Callable:
+    """The scan step, recomputed in the backward pass unless ``remat`` is False:
+    the scan then saves only each step's inputs, not its residuals, so under
+    differentiation a loop saves memory as it does forward. Without
+    differentiation ``jax.checkpoint`` changes nothing."""
+    if remat is False:
+        return step
+    policy = None if remat is True else remat
+    # prevent_cse=False: inside scan CSE cannot hoist the recomputation out of
+    # the backward loop, and the barriers would cost (the jax.checkpoint docs).
+    return jax.checkpoint(step, prevent_cse=False, policy=policy)
 
 
 def _body_level(body: Callable, in_tree, plan: Plan, out_axes: Any, user_out_axes: Any,
@@ -310,13 +351,19 @@ def _reshard_inside_manual_region(x, plan: Plan, spec: AxisSpec):
 
 
 def build_program(body: Callable, plan: Plan, in_tree, in_specs: list[AxisSpec],
-                  out_axes: Any, user_out_axes: Any) -> tuple[Callable, _Outputs]:
+                  out_axes: Any, user_out_axes: Any,
+                  variance: list | None = None) -> tuple[Callable, _Outputs]:
     """``program(*flat_args) -> flat results``; the returned ``_Outputs`` is filled
-    in when the program is traced (its ``tree`` unflattens the results)."""
+    in when the program is traced (its ``tree`` unflattens the results).
+    ``variance``: the names each result varies along (``_variance.analyse_body``),
+    needed when some name has no vmap level."""
     outputs = _Outputs()
     inner: Inner = _body_level(body, in_tree, plan, out_axes, user_out_axes, outputs)
     for axis in reversed(plan.axes):
-        inner = _tile_level(plan, axis.name, inner, outputs)
+        if axis.vmapped:
+            inner = _tile_level(plan, axis.name, inner, outputs)
+        else:
+            inner = _squeeze_level(axis.name, inner, outputs, variance)
     for loop in reversed(plan.loops):
         inner = _loop_level(loop, inner, outputs)
 

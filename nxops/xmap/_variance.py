@@ -11,12 +11,17 @@ them once, when it is made: the body is traced to a jaxpr with each logical
 name bound as a plain named axis, and the set of names every value varies
 along is propagated through it (names only, no data).
 
-Only plans where two names share a resource pay for this trace, and plans
-over mesh axes whose program traced a named op over mesh axes inside a
-``lax.while_loop``: a loop whose predicate varies along a name mapped to mesh
-axes runs a different trip count on those devices, and a collective over them
-inside it would deadlock (XLA:CPU aborts after a rendezvous timeout; GPUs and
-TPUs hang). The same walk refuses that.
+The same walk tells which names each result varies along. A name carried by
+mesh axes alone runs without a vmap level (``_program.py``), so no ``vmap``
+reports whether a result varies along it; the walk does, so that a result
+whose ``out_axes`` omit such a name and that varies along it is still an error.
+
+Only plans where two names share a resource, or with a name on mesh axes
+alone, pay for this trace, and plans over mesh axes whose program traced a
+named op over mesh axes inside a ``lax.while_loop``: a loop whose predicate
+varies along a name mapped to mesh axes runs a different trip count on those
+devices, and a collective over them inside it would deadlock (XLA:CPU aborts
+after a rendezvous timeout; GPUs and TPUs hang). The same walk refuses that.
 """
 from __future__ import annotations
 
@@ -57,14 +62,20 @@ def shared_resources(plan: Plan) -> dict[frozenset, Any]:
     return shared
 
 
-def check_no_cooccurrence(body: Callable, plan: Plan, in_tree, flat_args: Sequence,
-                          flat_specs: Sequence[AxisSpec]) -> None:
-    """Raises NxopsError if a value of ``body`` varies along two names that
-    share a resource, or a collective over one of them takes a value varying
-    along the other. Does nothing (no trace) when no names share a resource."""
+def analyse_body(body: Callable, plan: Plan, in_tree, flat_args: Sequence,
+                 flat_specs: Sequence[AxisSpec]) -> list[Names] | None:
+    """The names each flattened result of ``body`` varies along.
+
+    Raises NxopsError if a value varies along two names that share a resource,
+    or a collective over one of them takes a value varying along the other.
+    Returns None, without tracing, when no names share a resource and every
+    name has a vmap level; also None when the body does not trace on one
+    instance with the names bound as plain axes (e.g. it calls ``lax.psum``
+    over a mesh axis): the program's own trace then reports any error."""
     shared = shared_resources(plan)
-    if shared:
-        _analyze(body, plan, in_tree, flat_args, flat_specs, shared)
+    if not shared and not plan.unvmapped():
+        return None
+    return _analyze(body, plan, in_tree, flat_args, flat_specs, shared)
 
 
 def check_uniform_trip_counts(body: Callable, plan: Plan, in_tree, flat_args: Sequence,
@@ -75,16 +86,17 @@ def check_uniform_trip_counts(body: Callable, plan: Plan, in_tree, flat_args: Se
     _analyze(body, plan, in_tree, flat_args, flat_specs, shared_resources(plan))
 
 
-def _analyze(body, plan: Plan, in_tree, flat_args, flat_specs, shared) -> None:
+def _analyze(body, plan: Plan, in_tree, flat_args, flat_specs, shared) -> list[Names] | None:
     try:
         jaxpr = _trace_per_instance(body, plan, in_tree, flat_args, flat_specs)
     except Exception:  # noqa: BLE001
         # An error in the body itself: the program's own trace, which comes
         # next, reports it (with the real resources bound).
-        return
+        return None
     logical = {a.vmap_name: a.name for a in plan.axes}
     mesh_axes = {a.name: a.mesh_axes for a in plan.axes if a.mesh_axes}
-    _Analysis(logical, shared, mesh_axes).run(jaxpr.jaxpr, [Names(s.axis_names) for s in flat_specs])
+    return _Analysis(logical, shared, mesh_axes).run(
+        jaxpr.jaxpr, [Names(s.axis_names) for s in flat_specs])
 
 
 def closed_over_constants(body: Callable, plan: Plan, in_tree, flat_args: Sequence,

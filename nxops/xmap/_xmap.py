@@ -8,7 +8,7 @@ import weakref
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from nxops._jax import ArrayImpl as _ArrayImpl
 from nxops._jax import core as _jax_core
@@ -19,15 +19,14 @@ from nxops._errors import NxopsError
 from nxops._typing import AxisResources
 from nxops.ops._axis_env import (current_logical_axes, current_logical_axes_map, logical_axes,
                                   watch_mesh_ops_in_while)
-from nxops.xmap._plan import (Plan, check_shared_resources, mesh_in_scope,
-                              normalize_axis_resources, plan_axis_resources)
+from nxops.xmap._plan import (NeedsMesh, Plan, check_shared_resources, mesh_in_scope,
+                              normalize_axis_resources, off_mesh, plan_axis_resources)
 from nxops.xmap._program import build_program, explicit_mesh_constants, pinned_constants
 from nxops.xmap._resources import loops_in_scope
 from nxops.xmap._rules import check_rules, current_axis_rules, resources_from_rules
 from nxops.xmap._specs import (AxisSpec, broadcast_specs, infer_axis_sizes, parse_spec_tree,
                                spec_names)
-from nxops.xmap._variance import (check_no_cooccurrence, check_uniform_trip_counts,
-                                  closed_over_constants)
+from nxops.xmap._variance import analyse_body, check_uniform_trip_counts, closed_over_constants
 
 # The meshes in scope when the enclosing xmap was called (None: no enclosing xmap).
 _ENCLOSING_MESH: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
@@ -179,10 +178,13 @@ class XmapFunction:
         def run(*args):
             plan, flat_specs = self._plan(args, mesh, resources)
             with _enclosing_mesh():
-                check_no_cooccurrence(self._fun, plan, jax.tree.structure(args),
-                                      jax.tree.leaves(args), flat_specs)
+                variance = analyse_body(self._fun, plan, jax.tree.structure(args),
+                                        jax.tree.leaves(args), flat_specs)
+            if variance is None and plan.unvmapped():
+                plan = plan.with_vmap_levels()   # vmap then tells what varies
             program, outputs = build_program(self._fun, plan, jax.tree.structure(args),
-                                             flat_specs, self._out_axes, self._user_out_axes)
+                                             flat_specs, self._out_axes, self._user_out_axes,
+                                             variance)
             tree, leaves = jax.tree.structure(args), jax.tree.leaves(args)
             with logical_axes(plan.logical_axes()), _enclosing_mesh(), \
                     watch_mesh_ops_in_while() as mesh_ops_in_while:
@@ -195,9 +197,10 @@ class XmapFunction:
         run.__name__ = getattr(self._fun, "__name__", "xmapped")
         jit_kwargs = {"backend": self._backend} if self._backend is not None else {}
         jitted = jax.jit(run, donate_argnums=self._donate_argnums, **jit_kwargs)
-        if mesh is None or not _concrete_mesh_unset():
-            return jitted
-        return _UnderMesh(mesh, jitted)   # the legacy `with mesh:`
+        on_mesh = jitted if mesh is None or not _concrete_mesh_unset() else _UnderMesh(mesh, jitted)
+        if mesh is None or _names_mesh_axes(resources, mesh) or jax.process_count() > 1:
+            return on_mesh
+        return _OffMesh(mesh, jitted, on_mesh)
 
     def _trace(self, program, plan: Plan, tree, leaves: list, flat_specs: list):
         """``program(*leaves)``; on a mesh, retraced once if the body closes over
@@ -305,6 +308,66 @@ class _UnderMesh:
     def lower(self, *args):
         with jax.set_mesh(self._mesh):
             return self._jitted.lower(*args)
+
+
+class _OffMesh:
+    """A program whose resources name no mesh axis, called under a mesh.
+
+    jit under ``jax.set_mesh`` partitions over the whole mesh, so every device
+    would compute everything. The old xmap ran such a program on one device;
+    so does this: the mesh is unset around the call and the inputs moved to the
+    mesh's first device. The results are then replicated over the mesh, as they
+    were (so they mix with other arrays on the mesh). Inside a trace (an
+    enclosing jit or xmap) the enclosing program decides. If a nested xmap
+    uses mesh axes (``NeedsMesh``), or the program does not build off the mesh
+    (e.g. the body closes over an array typed for the mesh: a key made under
+    ``jax.set_mesh``), it runs on the mesh after all, as before.
+    """
+
+    def __init__(self, mesh: Mesh, jitted, on_mesh):
+        self._mesh, self._jitted, self._on_mesh = mesh, jitted, on_mesh
+        # A sharding, not a device: device_put(x, device) keeps a mesh-typed
+        # aval (the array then does not jit off the mesh); this drops it.
+        self._one_device = SingleDeviceSharding(mesh.devices.flat[0])
+        self._needs_mesh = False
+
+    def __call__(self, *args):
+        if self._needs_mesh or not _jax_core.trace_state_clean():
+            return self._on_mesh(*args)
+        results = self._try_off_mesh(self._jitted, args)
+        if results is None:
+            return self._on_mesh(*args)
+        replicated = NamedSharding(self._mesh, PartitionSpec())
+        return jax.tree.map(lambda x: jax.device_put(x, replicated), results)
+
+    def lower(self, *args):
+        lowered = None if self._needs_mesh else self._try_off_mesh(self._jitted.lower, args)
+        return self._on_mesh.lower(*args) if lowered is None else lowered
+
+    def _try_off_mesh(self, fn, args):
+        """``fn`` off the mesh, or None (from now on) where that cannot work."""
+        try:
+            with jax.set_mesh(None), off_mesh(self._mesh):
+                return fn(*self._on_one_device(args))
+        except NxopsError:
+            raise   # the user's error, wherever the program runs
+        except Exception:  # noqa: BLE001 - NeedsMesh, or mesh-typed closed-over arrays
+            # On the mesh the program either works, or reports its own error.
+            self._needs_mesh = True
+            return None
+
+    def _on_one_device(self, args: tuple) -> tuple:
+        def move(x):
+            if isinstance(x, _ArrayImpl) and x.sharding != self._one_device:
+                return jax.device_put(x, self._one_device)
+            return x
+        return jax.tree.map(move, args)
+
+
+def _names_mesh_axes(resources: dict, mesh: Mesh) -> bool:
+    """Whether some resource is an axis of ``mesh``."""
+    return any(r in mesh.axis_names for rs in resources.values() for r in rs
+               if isinstance(r, str))
 
 
 # fun -> {definition: {context: jitted}}. Two nx.xmap objects built from the

@@ -1,0 +1,145 @@
+"""An xmapped training step compiles to the program its hand-written
+``jax.shard_map`` twin compiles to (issue 21): the same HLO op counts, and the
+same values and gradients, for data-parallel, model-parallel and mixed
+placements, forward and under ``jax.value_and_grad``. Also: an xmap with no
+resources under a mesh runs on one device, not replicated on every one."""
+import collections
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+
+import nxops as nx
+
+DP, MP = 2, 4                  # the (dp, mp) mesh; the names batch (DP) and shard (MP)
+B, D, H, V = 8, 32, 64, 48     # per-batch-position examples, model, hidden, vocab
+IN_AXES = (["shard", ...], ["shard", ...], [...], ["batch", ...], ["batch", ...])
+PLACEMENTS = {
+    "dp": {"batch": "dp"},
+    "mp": {"shard": "mp"},
+    "mixed": {"batch": "dp", "shard": "mp"},
+}
+# The ops whose counts must match (layout work, collectives, matmuls, fusions).
+KINDS = ("transpose", "copy", "all-reduce", "all-gather", "reduce-scatter",
+         "collective-permute", "dot", "fusion", "reduce", "broadcast")
+
+
+def operands():
+    k = jax.random.split(jax.random.key(0), 5)
+    return (jax.random.normal(k[0], (MP, D, H // MP)) / D**0.5,    # w1: column-parallel
+            jax.random.normal(k[1], (MP, H // MP, D)) / H**0.5,    # w2: row-parallel
+            jax.random.normal(k[2], (D, V)) / D**0.5,              # vocab projection
+            jax.random.normal(k[3], (DP, B, D)),                   # x
+            jax.random.randint(k[4], (DP, B), 0, V))               # labels
+
+
+def block_loss(w1, w2, wv, x, y, psum_shard, pmean_batch):
+    """The Megatron-style block on one shard and one batch position."""
+    h = jax.nn.relu(x @ w1)
+    logits = psum_shard(h @ w2) @ wv
+    picked = jnp.take_along_axis(logits, y[:, None], 1)[:, 0]
+    return pmean_batch(jnp.mean(nx.logsumexp(logits, 1) - picked))
+
+
+def named_block(w1, w2, wv, x, y):
+    return block_loss(w1, w2, wv, x, y, lambda v: nx.psum(v, "shard"),
+                      lambda v: nx.pmean(v, "batch"))
+
+
+def positional_loss(w1, w2, wv, x, y):
+    h = jax.nn.relu(jnp.einsum("pbd,sdh->psbh", x, w1))
+    logits = jnp.einsum("psbh,shd->pbd", h, w2) @ wv
+    picked = jnp.take_along_axis(logits, y[..., None], 2)[..., 0]
+    return jnp.mean(jax.nn.logsumexp(logits, 2) - picked)
+
+
+def hand_written(resources, mesh):
+    """The twin a user writes without nxops: ``jax.shard_map`` over the mesh
+    axes, ``jax.vmap(axis_name=)`` for a name no mesh axis carries, lax
+    collectives. Returns it and its operands' partition specs."""
+    batch_axis, shard_axis = resources.get("batch"), resources.get("shard")
+
+    def local(w1, w2, wv, x, y):
+        def step(w1, w2, x, y):
+            return block_loss(w1, w2, wv, x, y, lambda v: lax.psum(v, shard_axis or "shard"),
+                              lambda v: lax.pmean(v, batch_axis or "batch"))
+        if shard_axis is None:
+            over_shard = jax.vmap(step, in_axes=(0, 0, None, None), out_axes=None,
+                                  axis_name="shard")
+        else:
+            over_shard = lambda w1, w2, x, y: step(w1[0], w2[0], x, y)  # noqa: E731
+        if batch_axis is None:
+            return jax.vmap(over_shard, in_axes=(None, None, 0, 0), out_axes=None,
+                            axis_name="batch")(w1, w2, x, y)
+        return over_shard(w1, w2, x[0], y[0])
+
+    specs = (P(shard_axis), P(shard_axis), P(), P(batch_axis), P(batch_axis))
+    used = frozenset(a for a in (batch_axis, shard_axis) if a)
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(), axis_names=used,
+                         check_vma=False), specs
+
+
+def op_counts(compiled) -> dict[str, int]:
+    found = collections.Counter(
+        m.group(1) for m in re.finditer(r"=\s*\S+\s+([a-z\-]+)\(", compiled.as_text()))
+    return {kind: found[kind] for kind in KINDS}
+
+
+TRANSFORMS = {"forward": lambda f: f,
+              "value_and_grad": lambda f: jax.value_and_grad(f, argnums=(0, 1, 2))}
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_training_step_compiles_like_its_shard_map_twin(placement, transform):
+    resources = PLACEMENTS[placement]
+    mesh = jax.make_mesh((DP, MP), ("dp", "mp"))
+    with jax.set_mesh(mesh):
+        twin, specs = hand_written(resources, mesh)
+        args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(operands(), specs)]
+        step = jax.jit(TRANSFORMS[transform](
+            nx.xmap(named_block, IN_AXES, [], axis_resources=resources)))
+        twin_step = jax.jit(TRANSFORMS[transform](twin))
+        assert op_counts(step.lower(*args).compile()) == op_counts(twin_step.lower(*args).compile())
+        got, want = step(*args), twin_step(*args)
+        reference = jax.jit(TRANSFORMS[transform](positional_loss))(*operands())
+    for g, w, r in zip(jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(reference)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-5)
+
+
+def test_result_varying_along_a_mesh_only_name_its_out_axes_omit_is_an_error():
+    # Mesh axes alone carry 'batch' (no vmap level): the body's variance walk
+    # still catches a result that varies along it.
+    mesh = jax.make_mesh((DP, MP), ("dp", "mp"))
+    f = nx.xmap(lambda x: x * 2, ["batch", ...], [...], axis_resources={"batch": "dp"})
+    with jax.set_mesh(mesh), pytest.raises(nx.NxopsError, match="varies along the named axis 'batch'"):
+        f(jnp.ones((DP, 3)))
+
+
+def test_no_resources_under_a_mesh_runs_on_one_device():
+    x = jax.random.normal(jax.random.key(1), (16, 8, 8))
+    f = nx.xmap(lambda v: jnp.tanh(v @ v.T).sum(), ["a", ...], ["a"])
+    mesh = jax.make_mesh((DP, MP), ("dp", "mp"))
+    with jax.set_mesh(mesh):
+        replicated = jax.device_put(x, NamedSharding(mesh, P()))
+        compiled = f.lower(replicated).compile()
+        got = f(replicated)
+    assert compiled.input_shardings[0][0] == SingleDeviceSharding(mesh.devices.flat[0])
+    # The result is replicated over the mesh as before, so it mixes with its arrays.
+    assert got.sharding == NamedSharding(mesh, P())
+    np.testing.assert_allclose(np.asarray(got), np.tanh(np.einsum("aij,akj->aik", x, x)).sum((1, 2)),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_no_resources_outside_with_a_nested_xmap_on_the_mesh():
+    inner = nx.xmap(lambda v: v * 2, ["b", ...], ["b", ...], axis_resources={"b": "mp"})
+    outer = nx.xmap(lambda v: inner(v) + 1, ["a", ...], ["a", ...])
+    x = np.arange(2 * MP * 3, dtype=np.float32).reshape(2, MP, 3)
+    with jax.set_mesh(jax.make_mesh((DP, MP), ("dp", "mp"))):
+        got = outer(x)
+    np.testing.assert_array_equal(np.asarray(got), x * 2 + 1)
