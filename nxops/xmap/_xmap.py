@@ -15,6 +15,7 @@ from nxops._jax import core as _jax_core
 from nxops._jax import device_context as _device_context     # what jax.set_mesh sets
 from nxops._jax import legacy_mesh_context as _legacy_meshes   # what `with mesh:` sets
 from nxops._jax import mesh_lib as _mesh_lib
+from nxops._jax import spmd_axis_names
 from nxops._errors import NxopsError
 from nxops._typing import AxisResources
 from nxops.ops._axis_env import (current_logical_axes, current_logical_axes_map, logical_axes,
@@ -131,6 +132,13 @@ class XmapFunction:
             # Checked only after a failure, so the common call pays nothing.
             if isinstance(e, NxopsError):
                 raise
+            if spmd_axis_names() and "verifier errors" in str(e):
+                raise NxopsError(
+                    f"JAX {jax.__version__} cannot lower this xmap under jax.vmap(..., "
+                    f"spmd_axis_name={sorted(spmd_axis_names())}): its shard_map batching rule "
+                    "builds a manual computation whose shapes do not match (a JAX bug; JAX "
+                    "0.10.2 lowers it). Map the vmapped dimension as a named axis of the xmap "
+                    "instead (in_axes/out_axes with axis_resources on that mesh axis).") from e
             if jax.process_count() > 1 and _process_local_inputs(args):
                 raise NxopsError(
                     "In a program over several processes, every nx.xmap input must be a global "
