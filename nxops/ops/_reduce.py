@@ -22,7 +22,7 @@ from nxops._errors import NxopsError
 from nxops.kernels.xla import reduce as xla_reduce
 from nxops.kernels.xla import collectives as xla_collectives
 from nxops.ops import _axis_env, _fusion
-from nxops.ops._collectives import _mesh_platform, axis_size
+from nxops.ops._collectives import _along_vmap_names, _mesh_platform, axis_size
 from nxops.ops._primitive import kernel_primitive, selection_param
 from nxops._typing import ArrayLike, Axis, AxisNames, PyTree
 
@@ -91,26 +91,49 @@ def _sum_transpose(ct, x, *, axes, op, axis_names, kernels):
     return (ct,)
 
 
+def _materialized_with_extremum(x, op, params):
+    """(x, its max/min) read from one materialized ``x``. The tie mask
+    ``x == max`` must compare the very values the max was taken of: left to
+    itself XLA may recompute ``x``'s producer inside the reduction's fusion and
+    again inside the mask's, rounded differently (FMA contraction), and find no
+    tie (an empty mask: 0/0, NaN tangents). The barrier forbids that."""
+    x = lax.optimization_barrier(x)
+    return x, bind_reduce(x, op=op, **params)
+
+
 def _reduce_jvp(primals, tangents, *, axes, op, axis_names, kernels):
     (x,), (t,) = primals, tangents
     params = dict(axes=axes, axis_names=axis_names, kernels=kernels)
+    if op in ("max", "min") and type(t) is not ad.Zero:
+        # Ties share the tangent equally, as jnp.max does.
+        x, y = _materialized_with_extremum(x, op, params)
+        mask = (x == _expand(y, axes)).astype(t.dtype)
+        count = bind_reduce(mask, op="sum", **params)
+        return y, bind_reduce(t * mask, op="sum", **params) / count
     y = bind_reduce(x, op=op, **params)
     if type(t) is ad.Zero:
         return y, ad.Zero.from_primal_value(y)
     if op == "sum":
         return y, bind_reduce(t, op="sum", **params)
-    if op in ("max", "min"):
-        # Ties share the tangent equally, as jnp.max does.
-        mask = (x == _expand(y, axes)).astype(t.dtype)
-        count = bind_reduce(mask, op="sum", **params)
-        return y, bind_reduce(t * mask, op="sum", **params) / count
     if op == "logsumexp":
         weights = jnp.exp(x - _expand(y, axes).astype(x.dtype))
         return y, bind_reduce(t * weights, op="sum", **params).astype(y.dtype)
     if op == "prod":
-        # d prod = prod * sum(t / x); exact where x has no zeros (documented).
-        return y, y * bind_reduce(t / x, op="sum", **params)
+        return y, _prod_tangent(x, t, axes, axis_names)
     raise NotImplementedError(op)
+
+
+def _prod_tangent(x, t, axes, axis_names):
+    """The tangent of the product, as jnp.prod's: JAX's product tree, exact at
+    zeros and at every order (``prod * sum(t / x)`` is 0/0 at a zero). The
+    vmap names are gathered into one leading positional axis first (a reshape
+    once batched, no communication)."""
+    def positional_prod(v):
+        if not axis_names:
+            return jnp.prod(v, axis=axes)
+        v = _along_vmap_names(jnp.expand_dims(v, 0), "gather", axis_names, 0)
+        return jnp.prod(v, axis=(0,) + tuple(a + 1 for a in axes))
+    return jax.jvp(positional_prod, (x,), (t,))[1]
 
 
 ad.primitive_jvps[reduce_p] = _reduce_jvp
@@ -134,6 +157,7 @@ def _mesh_extremum(y, mesh_names, op):
 @_mesh_extremum.defjvp
 def _mesh_extremum_jvp(mesh_names, op, primals, tangents):
     (y,), (t,) = primals, tangents
+    y = lax.optimization_barrier(y)   # mask and pmax read one y (see _materialized_with_extremum)
     out = _mesh_extremum(y, mesh_names, op)
     mask = (y == out).astype(t.dtype)
     return out, lax.psum(t * mask, mesh_names) / lax.psum(mask, mesh_names)
