@@ -215,3 +215,74 @@ def test_bool_contractions_match_jnp_einsum(op, name, shape, resources):
     want = reference(x, y)
     assert got.dtype == want.dtype == jnp.bool_
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+# --- r05: the shared-resource check walks every sub-jaxpr --------------------------
+
+
+def test_r05_collective_inside_custom_linear_solve_is_refused():
+    with pytest.raises(nx.NxopsError, match="'a' and 'b' are both mapped to the resource 'x'|"
+                                            "'b' and 'a' are both mapped to the resource 'x'"):
+        printed_lines("r05_custom_linear_solve_shared.py")
+
+
+@jax.custom_jvp
+def _custom_jvp_psum(u):
+    return nx.psum(u, "b")
+
+
+_custom_jvp_psum.defjvp(lambda primals, tangents: (_custom_jvp_psum(*primals), tangents[0]))
+
+
+@jax.custom_vjp
+def _custom_vjp_psum(u):
+    return nx.psum(u, "b")
+
+
+_custom_vjp_psum.defvjp(lambda u: (_custom_vjp_psum(u), None), lambda _, g: (g,))
+
+# Each wraps `nx.psum(u, 'b')`, u varying along 'a', in one kind of sub-jaxpr.
+WRAPPED_COLLECTIVES = {
+    "plain": lambda u: nx.psum(u, "b"),
+    "custom_linear_solve": lambda u: lax.custom_linear_solve(
+        lambda t: 2.0 * t, u, lambda mv, rhs: rhs / 2.0 + nx.psum(u, "b")),
+    "custom_root": lambda u: lax.custom_root(
+        lambda t: t - u, u, lambda f, t: t + nx.psum(u, "b"), lambda f, t: t),
+    "custom_jvp": _custom_jvp_psum,
+    "custom_vjp": _custom_vjp_psum,
+    "while": lambda u: lax.while_loop(lambda c: c[0] < 2,
+                                      lambda c: (c[0] + 1, nx.psum(c[1], "b")), (0, u))[1],
+    "fori": lambda u: lax.fori_loop(0, 2, lambda i, c: c + nx.psum(u, "b"), u * 0),
+    "cond": lambda u: lax.cond(True, lambda v: nx.psum(v, "b"), lambda v: v, u),
+    "switch": lambda u: lax.switch(1, [lambda v: v, lambda v: nx.psum(v, "b")], u),
+    "scan": lambda u: lax.scan(lambda c, _: (c + nx.psum(u, "b"), None), u * 0, None, 2)[0],
+    "map": lambda u: lax.map(lambda v: nx.psum(v, "b"), u[None])[0],
+    "checkpoint": jax.checkpoint(lambda u: nx.psum(u, "b"),
+                                 policy=jax.checkpoint_policies.nothing_saveable),
+    "jit": jax.jit(lambda u: nx.psum(u, "b")),
+}
+
+
+@pytest.mark.parametrize("wrapper", WRAPPED_COLLECTIVES)
+def test_collective_over_a_name_sharing_a_resource_is_refused_inside_every_wrapper(wrapper):
+    wrapped = WRAPPED_COLLECTIVES[wrapper]
+    f = nx.xmap(lambda u, v: (wrapped(u), v), (["a", ...], ["b", ...]), (["a", ...], ["b", ...]),
+                axis_resources={"a": "x", "b": "x"})
+    with jax.set_mesh(_mesh((4, 2))):
+        with pytest.raises(nx.NxopsError, match="both mapped to the resource 'x'"):
+            np.asarray(f(jnp.ones((4, 3)), jnp.ones((4, 3)))[0])
+
+
+def test_a_collective_over_the_own_name_inside_custom_linear_solve_is_accepted():
+    # No false refusal: a psum over 'b' of values varying only along 'b'.
+    def body(u, v):
+        x = lax.custom_linear_solve(lambda t: 2.0 * t, v,
+                                    lambda mv, rhs: rhs / 2.0 + nx.psum(v, "b"))
+        return u, x
+
+    xa, xb = jnp.arange(12.0).reshape(4, 3), jnp.arange(12.0).reshape(4, 3) + 1
+    with jax.set_mesh(_mesh((4, 2))):
+        f = nx.xmap(body, (["a", ...], ["b", ...]), (["a", ...], ["b", ...]),
+                    axis_resources={"a": "x", "b": "x"})
+        _, got = f(xa, xb)
+    np.testing.assert_allclose(np.asarray(got), xb / 2 + xb.sum(0), rtol=1e-6)
