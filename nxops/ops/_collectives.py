@@ -251,7 +251,18 @@ def all_to_all(x: ArrayLike, axis_name: AxisNames, split_axis: int, concat_axis:
     if vmap_names and mesh_names:   # a name on devices and a local tile: positionally
         return _via_gather(x, axis_name, lambda xs: lax.all_to_all(
             xs, _POSITIONS, split_axis, concat_axis, tiled=tiled))
+    if vmap_names:
+        x = _varying_along(x, vmap_names)
     return lax.all_to_all(x, _one_or_tuple(physical), split_axis, concat_axis, tiled=tiled)
+
+
+def _varying_along(x, vmap_names):
+    """``x`` as a value that varies along the vmapped names (broadcast along
+    them if it does not): JAX's vmap rule of all_to_all gives a wrong shape for
+    a value that is the same at every position of the name. The select is a
+    no-op once compiled."""
+    position = lax.axis_index(_one_or_tuple(vmap_names))
+    return lax.select(jnp.broadcast_to(position >= 0, x.shape), x, x)
 
 
 def _check_all_to_all(x, axis_name, size, split_axis, concat_axis, tiled):

@@ -286,3 +286,31 @@ def test_a_collective_over_the_own_name_inside_custom_linear_solve_is_accepted()
                     axis_resources={"a": "x", "b": "x"})
         _, got = f(xa, xb)
     np.testing.assert_allclose(np.asarray(got), xb / 2 + xb.sum(0), rtol=1e-6)
+
+
+# --- r04: all_to_all of a value that does not vary along the name -----------------
+
+
+def test_r04_all_to_all_of_a_replicated_value_has_the_mesh_shape():
+    assert printed_lines("r04_all_to_all_replicated.py") == ["none  (8, 8, 2)", "a->x  (8, 8, 2)"]
+
+
+@pytest.mark.parametrize("name,shape,resources", BOOL_PLACEMENTS, ids=[p[0] for p in BOOL_PLACEMENTS])
+@pytest.mark.parametrize("tiled", [False, True])
+@pytest.mark.parametrize("replicated", [True, False], ids=["replicated", "varying"])
+def test_all_to_all_matches_numpy(replicated, tiled, name, shape, resources):
+    rows = 16 if tiled else 8
+    w = jnp.arange(8.0 * rows * 2).reshape(8, rows, 2)       # [a, rows, 2]
+    w_spec = [...] if replicated else ["a", ...]
+    arg = w[0] if replicated else w
+    with jax.set_mesh(_mesh(shape)):
+        f = nx.xmap(lambda i, v: nx.all_to_all(v, "a", 0, 1, tiled=tiled), (["a"], w_spec),
+                    ["a", ...], axis_resources=resources)
+        got = np.asarray(f(jnp.arange(8), arg))
+    per_position = np.broadcast_to(np.asarray(arg), w.shape)       # [j, rows, 2]
+    if tiled:   # position i: chunk i of every j's rows, concatenated along dim 1
+        chunks = per_position.reshape(8, 8, 2, 2)                   # [j, i, chunk, 2]
+        want = chunks.transpose(1, 2, 0, 3).reshape(8, 2, 16)
+    else:       # split dim 0 removed, every j's row i stacked as a new dim 1
+        want = per_position.transpose(1, 2, 0)                      # [i, 2, j]
+    np.testing.assert_array_equal(got, want)
