@@ -28,6 +28,20 @@ from nxops._errors import NxopsError
 
 
 @dataclasses.dataclass(frozen=True)
+class InternalAxisName:
+    """A vmap axis name nxops binds itself (an xmap name's local tile, the
+    positions of a collective computed positionally). Not a string, so no
+    user axis name can be equal to it, however it is spelled."""
+
+    label: str
+
+    def __str__(self) -> str:
+        return self.label
+
+    __repr__ = __str__
+
+
+@dataclasses.dataclass(frozen=True)
 class LogicalAxis:
     """How one logical name is carried: ``physical`` names, major to minor
     (mesh axes, then the local vmap tile last), and ``loops``: the serial-loop

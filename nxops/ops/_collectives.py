@@ -279,7 +279,7 @@ def _check_all_to_all(x, axis_name, size, split_axis, concat_axis, tiled):
     return split_axis, concat_axis
 
 
-_POSITIONS = "nxops#positions"
+_POSITIONS = _axis_env.InternalAxisName("nxops#positions")
 
 
 def _via_gather(x, axis_name, positional_op):

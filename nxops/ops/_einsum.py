@@ -173,7 +173,7 @@ def _contract_all(ops: list[_Operand], needed: set[str], *, kernels: str, precis
 def _contraction_order(operands: list[_Operand]) -> list[tuple[int, int]]:
     if len(operands) <= 2:
         return [(0, 1)] if len(operands) == 2 else []
-    labels = sorted({lab for op in operands for lab in op.labels + list(op.names)})
+    labels = sorted({lab for op in operands for lab in op.labels + list(op.names)}, key=repr)
     symbols = {lab: opt_einsum.get_symbol(i) for i, lab in enumerate(labels)}
     sizes = {}
     for op in operands:

@@ -314,3 +314,34 @@ def test_all_to_all_matches_numpy(replicated, tiled, name, shape, resources):
     else:       # split dim 0 removed, every j's row i stacked as a new dim 1
         want = per_position.transpose(1, 2, 0)                      # [i, 2, j]
     np.testing.assert_array_equal(got, want)
+
+
+# --- r17: user names cannot collide with nxops' internal axis names ---------------
+
+
+def test_r17_a_user_name_spelled_like_an_internal_name_is_its_own_axis():
+    assert printed_lines("r17_name_collision.py") == [
+        "{} [True, True, True]", "{'a': 'x'} [True, True, True]"]
+
+
+@pytest.mark.parametrize("resources", [{"a": "x"}, {"a": "x", "a#tile": "y"}], ids=str)
+def test_user_names_spelled_like_internal_ones_do_not_collide(resources):
+    # 'a' on mesh axis 'x' of size 2 keeps a local tile of 4 (nxops' own vmap
+    # name for it reads 'a#tile'); all_to_all over it computes positionally
+    # under nxops' vmap named 'nxops#positions'. Users name axes so too.
+    x = jnp.arange(8.0 * 2 * 4 * 8).reshape(8, 2, 4, 8)   # [a, nxops#positions, a#tile, 8]
+    names = ["a", "nxops#positions", "a#tile", ...]
+
+    def body(v):
+        return (nx.psum(v, "a#tile"), nx.axis_index("a#tile") + 0 * v,
+                nx.psum(v, "nxops#positions"), nx.all_to_all(v, "a", 0, 0))
+
+    with jax.set_mesh(_mesh((2, 4))):
+        got = nx.xmap(body, [names], [["a", "nxops#positions", ...], names,
+                                      ["a", "a#tile", ...], names],
+                      axis_resources=resources)(x)
+    np.testing.assert_array_equal(np.asarray(got[0]), x.sum(2))
+    np.testing.assert_array_equal(np.asarray(got[1]),
+                                  np.broadcast_to(np.arange(4.0)[:, None], x.shape))
+    np.testing.assert_array_equal(np.asarray(got[2]), x.sum(1))
+    np.testing.assert_array_equal(np.asarray(got[3]), x.transpose(3, 1, 2, 0))
