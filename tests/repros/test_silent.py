@@ -68,6 +68,21 @@ def test_r18_max_jvp_has_no_nan():
         "{} NaNs in jvp: 0", "{'a': 'x'} NaNs in jvp: 0", "jnp NaNs: 0"]
 
 
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_extremum_tangent_never_divides_by_an_empty_tie_mask(op):
+    # What XLA did in r18: the max is taken of x as one fusion rounded it, the
+    # tie mask compares x as another fusion rounded it (1 ulp apart): no
+    # element equals the max. The tangent is still the arg-max's, not 0/0.
+    from nxops.ops._reduce import _extremum_tangent
+    x = jnp.asarray([[1.0, 3.0], [2.0, 5.0], [1.5, 4.0]])
+    t = jnp.asarray([[10.0, 20.0], [30.0, 40.0], [50.0, 60.0]])
+    pick = jnp.max if op == "max" else jnp.min
+    off_by_an_ulp = jnp.nextafter(pick(x, 0), jnp.inf)
+    got = _extremum_tangent(x, t, off_by_an_ulp, (0,), (), op)
+    want = jnp.asarray([30.0, 40.0]) if op == "max" else jnp.asarray([10.0, 20.0])
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 EXTREMA = {"max": (nx.max, jnp.max), "min": (nx.min, jnp.min),
            "pmax": (nx.pmax, jnp.max), "pmin": (nx.pmin, jnp.min)}
 EXTREMUM_PLACEMENTS = [   # 'a' (size 8) and the reduced 'b' (size 4), on a (2, 4) mesh
