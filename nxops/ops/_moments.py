@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
 from nxops._errors import NxopsError
+from nxops._typing import ArrayLike, Axis
 from nxops.ops._reduce import _expand, _reduce_resolved, _resolve_axes
 
 _UPCAST = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -35,20 +37,20 @@ def _check_ddof(ddof, op: str):
                          f"0 for the population variance, 1 for the sample variance).")
 
 
-def var(x, axis, *, ddof=0):
+def var(x: ArrayLike, axis: Axis, *, ddof: int | float = 0) -> jax.Array:
     """Variance of ``x`` over ``axis`` (ints and/or names), as ``jnp.var``:
     ``sum(|x - mean|^2) / (N - ddof)`` with ``N`` the number of elements
     reduced; complex inputs give real variances, integers give floats."""
     return _variance(x, axis, ddof, "var")
 
 
-def std(x, axis, *, ddof=0):
+def std(x: ArrayLike, axis: Axis, *, ddof: int | float = 0) -> jax.Array:
     """Standard deviation of ``x`` over ``axis`` (ints and/or names), as
     ``jnp.std``: ``sqrt(nx.var(x, axis, ddof=ddof))``."""
     return lax.sqrt(_variance(x, axis, ddof, "std"))
 
 
-def _variance(x, axis, ddof, op: str):
+def _variance(x: ArrayLike, axis: Axis, ddof, op: str) -> jax.Array:
     _check_ddof(ddof, op)
     x = jnp.asarray(x)
     compute, dtype = _computation_dtype(x.dtype)
