@@ -13,7 +13,7 @@ from nxops import hlo, kernels, random
 from nxops._export import export
 from nxops.ops import (
     all_gather, all_to_all, axis_index, axis_size, einsum, logsumexp, max, mean, min, one_hot,
-    pdot, pmax, pmean, pmin, ppermute, prod, psum, psum_scatter, sum, tile, untile,
+    pdot, pmax, pmean, pmin, ppermute, prod, psum, psum_scatter, std, sum, tile, untile, var,
 )
 
 # Import the frontend package fully, then bind the *function*: importing the
@@ -26,5 +26,5 @@ __version__ = "0.1.0"
 __all__ = [
     "NxopsError", "SerialLoop", "axis_rules", "export", "serial_loop", "xmap", "hlo", "random", "all_gather", "all_to_all", "axis_index", "axis_size", "einsum", "kernels",
     "logsumexp", "max", "mean", "min", "one_hot", "pdot", "pmax", "pmean", "pmin", "ppermute",
-    "prod", "psum", "psum_scatter", "sum", "tile", "untile",
+    "prod", "psum", "psum_scatter", "std", "sum", "tile", "untile", "var",
 ]

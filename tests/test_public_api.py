@@ -4,7 +4,7 @@ import inspect
 
 import nxops as nx
 
-API = ["xmap", "SerialLoop", "serial_loop", "sum", "max", "min", "mean", "prod", "logsumexp",
+API = ["xmap", "SerialLoop", "serial_loop", "sum", "max", "min", "mean", "prod", "logsumexp", "var", "std",
        "psum", "pmax", "pmin", "pmean", "einsum", "pdot", "axis_index", "axis_size", "one_hot",
        "all_gather", "psum_scatter", "all_to_all", "ppermute", "tile", "untile", "NxopsError"]
 

@@ -27,6 +27,33 @@ from nxops._jax import inside_while_loop as _inside_while_loop
 from nxops._errors import NxopsError
 
 
+class InternalAxisName:
+    """A vmap axis name nxops binds itself (an xmap name's local tile, the
+    positions of a collective computed positionally). Not a string, so no
+    user axis name can be equal to it, however it is spelled. Like
+    ``TileAxisName`` it may carry the logical names bound where its vmap
+    level was made (equality and hash ignore them)."""
+
+    __slots__ = ("label", "logical")
+
+    def __init__(self, label: str, logical: dict | None = None):
+        self.label, self.logical = label, dict(logical or {})
+
+    def with_logical(self, logical: dict) -> "InternalAxisName":
+        return InternalAxisName(self.label, logical)
+
+    def __eq__(self, other) -> bool:
+        return type(other) is InternalAxisName and other.label == self.label
+
+    def __hash__(self) -> int:
+        return hash((InternalAxisName, self.label))
+
+    def __str__(self) -> str:
+        return self.label
+
+    __repr__ = __str__
+
+
 @dataclasses.dataclass(frozen=True)
 class LogicalAxis:
     """How one logical name is carried: ``physical`` names, major to minor

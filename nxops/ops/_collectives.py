@@ -101,7 +101,7 @@ named_layout_p = Primitive("nx_named_layout")
 
 def _layout_shape(shape, kind, dim, size):
     shape = list(shape)
-    shape[dim] = shape[dim] * size if kind == "gather" else shape[dim] // size
+    shape[dim] = shape[dim] * size if kind in ("gather", "place") else shape[dim] // size
     return tuple(shape)
 
 
@@ -130,12 +130,27 @@ def _layout_batcher(axis_data, vals_in, dims_in, *, kind, name, dim, size):
     if kind == "scatter":  # summed over the name, then tile number i to position i
         x = x * size if d is None else jnp.sum(x, axis=d)
         return _split_dim(x, dim, size), dim
+    if kind == "place":
+        return _place_batched(x, d, dim, size), 0
     # tile: position i takes tile i of its own value
     if d is None:
         return _split_dim(x, dim, size), dim
     x = jnp.moveaxis(x, d, 0)
     tiles = _split_dim(x, dim + 1, size)  # [size(batch), ..., size(tiles), chunk, ...]
     return jnp.moveaxis(jnp.diagonal(tiles, axis1=0, axis2=dim + 1), -1, 0), 0
+
+
+def _place_batched(x, d, dim, size):
+    """Position i's value in tile i of zeros along ``dim``, for every position
+    (batch dim 0 of the result): the per-position transpose of tile."""
+    x = jnp.expand_dims(x, 0) if d is None else jnp.moveaxis(x, d, 0)
+    x = jnp.expand_dims(x, dim + 1)                  # [batch, ..., 1, chunk, ...]
+    mask_shape = [1] * x.ndim
+    mask_shape[0] = mask_shape[dim + 1] = size
+    mask = jnp.eye(size, dtype=bool).reshape(mask_shape)
+    placed = jnp.where(mask, x, jnp.zeros((), x.dtype))   # [size, ..., size, chunk, ...]
+    shape = placed.shape
+    return placed.reshape(shape[:dim + 1] + (shape[dim + 1] * shape[dim + 2],) + shape[dim + 3:])
 
 
 def _layout_lowering(ctx, x, *, kind, name, dim, size):
@@ -150,8 +165,10 @@ mlir.register_lowering(named_layout_p, _layout_lowering)
 
 def _layout_transpose(ct, x, *, kind, name, dim, size):
     # gather <-> scatter are each other's transposes (psum semantics, as lax);
-    # tile's transpose is the gather of the tile's cotangents.
-    other = {"gather": "scatter", "scatter": "gather", "tile": "gather"}[kind]
+    # tile <-> place: a replicated input's in-body gradient stays per position
+    # (docs/xmap.md), so tile's cotangent goes to this position's tile only,
+    # as the mesh and loop parts (dynamic_update_slice into zeros) do.
+    other = {"gather": "scatter", "scatter": "gather", "tile": "place", "place": "tile"}[kind]
     if type(ct) is ad.Zero:
         return (ad.Zero(x.aval),)
     return (named_layout_p.bind(ct, kind=other, name=name, dim=dim, size=size),)
@@ -291,7 +308,7 @@ def _check_all_to_all(x, axis_name, size, split_axis, concat_axis, tiled):
     return split_axis, concat_axis
 
 
-_POSITIONS = "nxops#positions"
+_POSITIONS = _axis_env.InternalAxisName("nxops#positions")
 
 
 def _via_gather(x, axis_name, positional_op):

@@ -173,7 +173,7 @@ def _contract_all(ops: list[_Operand], needed: set[str], *, kernels: str, precis
 def _contraction_order(operands: list[_Operand]) -> list[tuple[int, int]]:
     if len(operands) <= 2:
         return [(0, 1)] if len(operands) == 2 else []
-    labels = sorted({lab for op in operands for lab in op.labels + list(op.names)})
+    labels = sorted({lab for op in operands for lab in op.labels + list(op.names)}, key=repr)
     symbols = {lab: opt_einsum.get_symbol(i) for i, lab in enumerate(labels)}
     sizes = {}
     for op in operands:
@@ -232,7 +232,7 @@ def einsum(spec: str, *operands: ArrayLike, precision: PrecisionLike = None,
                          f"given {len(operands)} operands.")
     if not operands:
         raise NxopsError("nx.einsum needs at least one operand.")
-    dtype = jnp.result_type(*operands)
+    dtype, logical = _compute_dtype(jnp.result_type(*operands), preferred_element_type)
     operands = [jnp.asarray(x, dtype) for x in operands]
     labels_per_operand, out_labels, operands = _expand_ellipsis(parsed, operands)
     _check_sizes(parsed, operands, labels_per_operand)
@@ -268,7 +268,17 @@ def einsum(spec: str, *operands: ArrayLike, precision: PrecisionLike = None,
         value = value.astype(out_dtype)
     if mesh_contracted:
         value = _fusion.mesh_sum(value, mesh_contracted, platform=_mesh_platform())
-    return value
+    return value != 0 if logical else value
+
+
+def _compute_dtype(dtype, preferred_element_type) -> tuple:
+    """(the dtype to contract in, whether the result is logical). A bool einsum
+    is jnp.einsum's OR of ANDs: it is contracted as int32 counts and made bool
+    (nonzero) at the end, so that sums over names and devices (psum would
+    count) give the same dtype and values on every placement."""
+    if dtype == jnp.bool_ and preferred_element_type is None:
+        return jnp.dtype(jnp.int32), True
+    return dtype, False
 
 
 def pdot(x: ArrayLike, y: ArrayLike, axis_name: AxisNames, *, pos_contract: PosDims = ((), ()),
@@ -281,14 +291,14 @@ def pdot(x: ArrayLike, y: ArrayLike, axis_name: AxisNames, *, pos_contract: PosD
     names = _axis_env.as_name_tuple(axis_name)
     physical = _axis_env.resolve(names, op="nx.pdot")
     vmap_names, mesh_names = _axis_env.split_vmap_and_mesh(physical, op="nx.pdot")
-    dtype = jnp.result_type(x, y)
+    dtype, logical = _compute_dtype(jnp.result_type(x, y), None)
     x, y = jnp.asarray(x, dtype), jnp.asarray(y, dtype)
     dims = _check_pdot_dims(x, y, pos_contract, pos_batch)
     out = bind_dot_general(x, y, dimension_numbers=dims, contract_names=vmap_names,
                            precision=precision, kernels=selection_param())
-    if not mesh_names:
-        return out
-    return _fusion.mesh_sum(out, mesh_names, platform=_mesh_platform())
+    if mesh_names:
+        out = _fusion.mesh_sum(out, mesh_names, platform=_mesh_platform())
+    return out != 0 if logical else out
 
 
 def _check_pdot_dims(x, y, pos_contract, pos_batch):

@@ -24,7 +24,7 @@ from nxops._errors import NxopsError
 from nxops.kernels.xla import reduce as xla_reduce
 from nxops.kernels.xla import collectives as xla_collectives
 from nxops.ops import _axis_env, _fusion
-from nxops.ops._collectives import _mesh_platform, axis_size
+from nxops.ops._collectives import _along_vmap_names, _mesh_platform, axis_size
 from nxops.ops._primitive import kernel_primitive, selection_param
 from nxops._typing import ArrayLike, Axis, AxisNames, PyTree
 
@@ -97,22 +97,78 @@ def _reduce_jvp(primals, tangents, *, axes, op, axis_names, kernels):
     (x,), (t,) = primals, tangents
     params = dict(axes=axes, axis_names=axis_names, kernels=kernels)
     y = bind_reduce(x, op=op, **params)
-    if type(t) is ad.Zero:
+    if type(t) is ad.Zero or t.dtype == jax.dtypes.float0:
         return y, ad.Zero.from_primal_value(y)
+    if op in ("max", "min"):
+        return y, _extremum_tangent(x, t, y, axes, axis_names, op)
     if op == "sum":
         return y, bind_reduce(t, op="sum", **params)
-    if op in ("max", "min"):
-        # Ties share the tangent equally, as jnp.max does.
-        mask = (x == _expand(y, axes)).astype(t.dtype)
-        count = bind_reduce(mask, op="sum", **params)
-        return y, bind_reduce(t * mask, op="sum", **params) / count
     if op == "logsumexp":
         weights = jnp.exp(x - _expand(y, axes).astype(x.dtype))
         return y, bind_reduce(t * weights, op="sum", **params).astype(y.dtype)
     if op == "prod":
-        # d prod = prod * sum(t / x); exact where x has no zeros (documented).
-        return y, y * bind_reduce(t / x, op="sum", **params)
+        return y, _prod_tangent(x, t, axes, axis_names)
     raise NotImplementedError(op)
+
+
+def _positional_view(v, axes, axis_names):
+    """``v`` with its vmap names gathered into one leading positional axis (a
+    reshape once batched, no communication), and the axes to reduce in it."""
+    if not axis_names:
+        return v, tuple(axes)
+    v = _along_vmap_names(jnp.expand_dims(v, 0), "gather", axis_names, 0)
+    return v, (0,) + tuple(a + 1 for a in axes)
+
+
+def _extremum_tangent(x, t, y, axes, axis_names, op):
+    """The tangent of max/min: ties share it equally, as in jnp.max.
+
+    The tie mask ``x == max`` alone can come out empty (0/0: NaN tangents):
+    XLA may recompute ``x``'s producer in the reduction's fusion and again in
+    the mask's, rounded differently (an optimization barrier does not stop it
+    on CPU). The arg-max, one variadic reduction, always names one element, so
+    the mask always holds it."""
+    x, reduced = _positional_view(x, axes, axis_names)
+    t, _ = _positional_view(t, axes, axis_names)
+    kept = [a for a in range(x.ndim) if a not in reduced]
+    flat_x = jnp.transpose(x, (*reduced, *kept)).reshape((-1, *y.shape))
+    flat_t = jnp.transpose(t, (*reduced, *kept)).reshape((-1, *y.shape))
+    return _leading_extremum_tangent(flat_x, flat_t, y, op)
+
+
+def _leading_extremum_tangent(flat_x, flat_t, y, op):
+    """``_extremum_tangent`` over the leading axis of ``flat_x``, whose max
+    (or min) is ``y``."""
+    weights = _extremum_weights(flat_x, y, op).astype(flat_t.dtype)
+    return _nan_where_nan(y, jnp.sum(flat_t * weights, axis=0))
+
+
+def _extremum_weights(flat_x, y, op):
+    """Each element's share of the tangent along the leading axis: 1/ties at
+    the elements equal to ``y``, and at the arg-max/min in any case."""
+    mask = flat_x == y[None]
+    if not jnp.issubdtype(flat_x.dtype, jnp.complexfloating) and flat_x.shape[0]:
+        chosen = (jnp.argmax if op == "max" else jnp.argmin)(flat_x, axis=0)
+        mask = mask | (lax.broadcasted_iota(chosen.dtype, flat_x.shape, 0) == chosen[None])
+    mask = mask.astype(jnp.result_type(float) if not jnp.issubdtype(y.dtype, jnp.inexact)
+                       else jnp.finfo(y.dtype).dtype)
+    return mask / jnp.sum(mask, axis=0)
+
+
+def _nan_where_nan(y, tangent):
+    """A NaN extremum has a NaN tangent, as in jnp.max."""
+    return jnp.where(jnp.isnan(y), jnp.asarray(jnp.nan, tangent.dtype), tangent)
+
+
+def _prod_tangent(x, t, axes, axis_names):
+    """The tangent of the product, as jnp.prod's: JAX's product tree, exact at
+    zeros and at every order (``prod * sum(t / x)`` is 0/0 at a zero). The
+    vmap names are gathered into one leading positional axis first (a reshape
+    once batched, no communication)."""
+    def positional_prod(v):
+        v, reduced = _positional_view(v, axes, axis_names)
+        return jnp.prod(v, axis=reduced)
+    return jax.jvp(positional_prod, (x,), (t,))[1]
 
 
 ad.primitive_jvps[reduce_p] = _reduce_jvp
@@ -137,8 +193,23 @@ def _mesh_extremum(y, mesh_names, op):
 def _mesh_extremum_jvp(mesh_names, op, primals, tangents):
     (y,), (t,) = primals, tangents
     out = _mesh_extremum(y, mesh_names, op)
-    mask = (y == out).astype(t.dtype)
-    return out, lax.psum(t * mask, mesh_names) / lax.psum(mask, mesh_names)
+    weight = _gathered_extremum_weight(y, mesh_names, op).astype(t.dtype)
+    return out, _nan_where_nan(out, lax.psum(t * weight, mesh_names))
+
+
+def _gathered_extremum_weight(y, mesh_names, op):
+    """This device's share of the tangent, from one gathered copy of every
+    device's ``y``. A tie mask ``y == pmax(y)`` with counts psum'd beside it
+    reads ``y`` in several fusions, and XLA may recompute ``y``'s producer in
+    each, rounded differently (seen on CPU: counts of 1 beside empty masks,
+    so zero tangents, or 0/0). Compared within the gathered copy, the ties
+    are exact. (Costs an all-gather of ``y``, in derivatives only.)"""
+    invariant = tuple(n for n in mesh_names if n not in jax.typeof(y).manual_axis_type.varying)
+    y = lax.pcast(y, invariant, to="varying") if invariant else y   # all_gather wants varying
+    everyone = xla_collectives.all_gather(y, mesh_names, axis=0, tiled=False)
+    extremum = (jnp.max if op == "max" else jnp.min)(everyone, axis=0)
+    weights = _extremum_weights(everyone, extremum, op)
+    return lax.dynamic_index_in_dim(weights, lax.axis_index(mesh_names), 0, keepdims=False)
 
 
 _MESH_REDUCERS = {   # (sum is handled first: it records the partial for sum-then-tile)

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from nxops._jax import mesh_lib as _mesh_lib
 from nxops._errors import NxopsError
-from nxops.ops._axis_env import LogicalAxis
+from nxops.ops._axis_env import InternalAxisName, LogicalAxis
 from nxops.xmap._resources import NamedLoop, SerialLoop, loops_in_scope
 from nxops.xmap._specs import AxisSpec
 
@@ -40,7 +40,7 @@ class AxisPlan:
     mesh_axes: tuple[str, ...]
     loops: tuple[Loop, ...]
     tile: int
-    vmap_name: str
+    vmap_name: str | InternalAxisName
     # True keeps a vmap level even for a tile of 1 (the fallback when the
     # body's variance cannot be analysed: see _variance.analyse_body).
     force_vmap: bool = False
@@ -187,11 +187,12 @@ def _symbolic_size_hint(size: Any, total: int) -> str:
             f"or `{size}, = jax.export.symbolic_shape('{size}')` and a dimension of {total} * {size}.")
 
 
-def _vmap_name(name: str, mesh_axes, loops, mesh: Mesh | None) -> str:
+def _vmap_name(name: str, mesh_axes, loops, mesh: Mesh | None) -> str | InternalAxisName:
     # The logical name itself, so that raw lax.psum(x, name) works in the body,
-    # unless a mesh axis or loop also carries the axis (or the name is a mesh axis).
+    # unless a mesh axis or loop also carries the axis (or the name is a mesh
+    # axis): then a name no user name can equal (a user may name an axis 'a#tile').
     if mesh_axes or loops or (mesh is not None and name in mesh.axis_names):
-        return f"{name}#tile"
+        return InternalAxisName(f"{name}#tile")
     return name
 
 

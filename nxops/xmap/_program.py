@@ -33,7 +33,7 @@ from nxops._jax import infer_out_axes as _infer_out_axes
 from nxops._jax import pin_constant as _pin_constant
 from nxops._jax import spmd_axis_names
 from nxops._errors import NxopsError
-from nxops.ops._axis_env import TileAxisName, loop_step
+from nxops.ops._axis_env import InternalAxisName, TileAxisName, loop_step
 from nxops.xmap._plan import Plan, check_shared_resources
 from nxops.xmap._raw_lax import raw_lax_error
 from nxops.xmap._specs import AxisSpec, broadcast_specs, check_output_rank
@@ -123,6 +123,13 @@ def _varies_error(outputs: _Outputs, j: int, name: str) -> NxopsError:
         f"body (e.g. nx.sum(x, {name!r}) or nx.psum(x, {name!r})).")
 
 
+def _level_name(vmap_name, plan: Plan):
+    """The vmap level's axis name, carrying the plan's logical names."""
+    if isinstance(vmap_name, InternalAxisName):
+        return vmap_name.with_logical(plan.logical_axes())
+    return TileAxisName(vmap_name, plan.logical_axes())
+
+
 def _tile_level(plan: Plan, name: str, inner: Inner, outputs: _Outputs) -> Inner:
     axis = plan.axis(name)
     tag = TileTag(name)
@@ -137,7 +144,7 @@ def _tile_level(plan: Plan, name: str, inner: Inner, outputs: _Outputs) -> Inner
             return outs
 
         outs, src_axes = jax.vmap(vmapped, in_axes=in_axes, out_axes=_infer_out_axes,
-                                  axis_name=TileAxisName(axis.vmap_name, plan.logical_axes()),
+                                  axis_name=_level_name(axis.vmap_name, plan),
                                   axis_size=axis.tile)(*flat)
         new_outs, new_layouts = [], []
         for j, (x, src, lay) in enumerate(zip(outs, src_axes, inner_layouts)):

@@ -134,13 +134,14 @@ class _Analysis:
         self._shared = shared
         self._mesh_axes = mesh_axes or {}   # logical name -> its mesh axes (if any)
 
-    def run(self, jaxpr: Jaxpr, in_names: Sequence[Names]) -> list[Names]:
+    def run(self, jaxpr: Jaxpr, in_names: Sequence[Names],
+            const_names: Names = Names()) -> list[Names]:
         """The names each output of ``jaxpr`` varies along, given its inputs'."""
         env: dict = {}
         for var, names in zip(jaxpr.invars, in_names):
             env[var] = names
         for var in jaxpr.constvars:
-            env[var] = Names()
+            env[var] = const_names
         read = lambda v: Names() if isinstance(v, Literal) else env[v]  # noqa: E731
         for eqn in jaxpr.eqns:
             outs = self._eqn(eqn, [read(v) for v in eqn.invars])
@@ -180,8 +181,25 @@ class _Analysis:
         sub = [_open(j) for j in core.jaxprs_in_params(params)]
         if len(sub) == 1 and len(sub[0].invars) == len(ins) and len(sub[0].outvars) == n_out:
             return self.run(sub[0], ins)   # jit, checkpoint, custom_jvp/vjp, shard_map, ...
+        if sub:
+            return self._unaligned(sub, ins, n_out)
         # Any other primitive: results vary along everything its operands vary along.
         return [Names().union(*ins)] * n_out
+
+    def _unaligned(self, subs: list[Jaxpr], ins: list[Names], n_out: int) -> list[Names]:
+        """Sub-jaxprs whose inputs do not line up one to one with the equation's
+        operands (custom_linear_solve's matvec and solve, custom_root, pallas_call,
+        any primitive this walk does not know): each is walked with every input
+        varying along everything the operands (and, for loops inside, the
+        sub-jaxprs' results) vary along, so no collective inside goes unchecked;
+        the results vary along all of it."""
+        names = Names().union(*ins)
+        while True:   # grows monotonically: a fixed point within len(names) steps
+            outs = [self.run(sub, [names] * len(sub.invars), names) for sub in subs]
+            grown = names.union(*(o for per_sub in outs for o in per_sub))
+            if grown == names:
+                return [names] * n_out
+            names = grown
 
     def _scan(self, eqn, ins):
         body = _open(eqn.params["jaxpr"])
