@@ -10,19 +10,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 import nxops as nx
+# The block, its placements and its hand-written twin: one definition, shared
+# with the benchmark that times them.
+from bench.bench_training import IN_AXES, PLACEMENTS, named_block, shard_map_twin
 
 DP, MP = 2, 4                  # the (dp, mp) mesh; the names batch (DP) and shard (MP)
 B, D, H, V = 8, 32, 64, 48     # per-batch-position examples, model, hidden, vocab
-IN_AXES = (["shard", ...], ["shard", ...], [...], ["batch", ...], ["batch", ...])
-PLACEMENTS = {
-    "dp": {"batch": "dp"},
-    "mp": {"shard": "mp"},
-    "mixed": {"batch": "dp", "shard": "mp"},
-}
 # The ops whose counts must match (layout work, collectives, matmuls, fusions).
 KINDS = ("transpose", "copy", "all-reduce", "all-gather", "reduce-scatter",
          "collective-permute", "dot", "fusion", "reduce", "broadcast")
@@ -37,50 +33,11 @@ def operands():
             jax.random.randint(k[4], (DP, B), 0, V))               # labels
 
 
-def block_loss(w1, w2, wv, x, y, psum_shard, pmean_batch):
-    """The Megatron-style block on one shard and one batch position."""
-    h = jax.nn.relu(x @ w1)
-    logits = psum_shard(h @ w2) @ wv
-    picked = jnp.take_along_axis(logits, y[:, None], 1)[:, 0]
-    return pmean_batch(jnp.mean(nx.logsumexp(logits, 1) - picked))
-
-
-def named_block(w1, w2, wv, x, y):
-    return block_loss(w1, w2, wv, x, y, lambda v: nx.psum(v, "shard"),
-                      lambda v: nx.pmean(v, "batch"))
-
-
 def positional_loss(w1, w2, wv, x, y):
     h = jax.nn.relu(jnp.einsum("pbd,sdh->psbh", x, w1))
     logits = jnp.einsum("psbh,shd->pbd", h, w2) @ wv
     picked = jnp.take_along_axis(logits, y[..., None], 2)[..., 0]
     return jnp.mean(jax.nn.logsumexp(logits, 2) - picked)
-
-
-def hand_written(resources, mesh):
-    """The twin a user writes without nxops: ``jax.shard_map`` over the mesh
-    axes, ``jax.vmap(axis_name=)`` for a name no mesh axis carries, lax
-    collectives. Returns it and its operands' partition specs."""
-    batch_axis, shard_axis = resources.get("batch"), resources.get("shard")
-
-    def local(w1, w2, wv, x, y):
-        def step(w1, w2, x, y):
-            return block_loss(w1, w2, wv, x, y, lambda v: lax.psum(v, shard_axis or "shard"),
-                              lambda v: lax.pmean(v, batch_axis or "batch"))
-        if shard_axis is None:
-            over_shard = jax.vmap(step, in_axes=(0, 0, None, None), out_axes=None,
-                                  axis_name="shard")
-        else:
-            over_shard = lambda w1, w2, x, y: step(w1[0], w2[0], x, y)  # noqa: E731
-        if batch_axis is None:
-            return jax.vmap(over_shard, in_axes=(None, None, 0, 0), out_axes=None,
-                            axis_name="batch")(w1, w2, x, y)
-        return over_shard(w1, w2, x[0], y[0])
-
-    specs = (P(shard_axis), P(shard_axis), P(), P(batch_axis), P(batch_axis))
-    used = frozenset(a for a in (batch_axis, shard_axis) if a)
-    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(), axis_names=used,
-                         check_vma=False), specs
 
 
 def op_counts(compiled) -> dict[str, int]:
@@ -99,7 +56,7 @@ def test_training_step_compiles_like_its_shard_map_twin(placement, transform):
     resources = PLACEMENTS[placement]
     mesh = jax.make_mesh((DP, MP), ("dp", "mp"))
     with jax.set_mesh(mesh):
-        twin, specs = hand_written(resources, mesh)
+        twin, specs = shard_map_twin(resources, mesh)
         args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(operands(), specs)]
         step = jax.jit(TRANSFORMS[transform](
             nx.xmap(named_block, IN_AXES, [], axis_resources=resources)))
