@@ -11,7 +11,6 @@ then reduced by one XLA collective over all of them.
 from __future__ import annotations
 
 import functools
-import math
 import numbers
 import operator
 

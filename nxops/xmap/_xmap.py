@@ -20,7 +20,7 @@ from nxops._errors import NxopsError
 from nxops._typing import AxisResources
 from nxops.ops._axis_env import (current_logical_axes, current_logical_axes_map, logical_axes,
                                   watch_mesh_ops_in_while)
-from nxops.xmap._plan import (NeedsMesh, Plan, check_shared_resources, mesh_in_scope,
+from nxops.xmap._plan import (Plan, check_shared_resources, mesh_in_scope,
                               normalize_axis_resources, off_mesh, plan_axis_resources)
 from nxops.xmap._program import build_program, explicit_mesh_constants, pinned_constants
 from nxops.xmap._resources import loops_in_scope
