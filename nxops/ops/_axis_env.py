@@ -264,7 +264,9 @@ def user_visible_axis_names(bound_axes) -> list[str]:
     mesh_axes = set(jax.sharding.get_abstract_mesh().axis_names)
     made_up = {p for axis in logical.values() for p in axis.physical
                if p not in logical and p not in mesh_axes}
-    return sorted((set(map(str, bound_axes)) | set(map(str, logical))) - made_up)
+    visible = {n for n in (*bound_axes, *logical)
+               if n not in made_up and not isinstance(n, InternalAxisName)}
+    return sorted(map(str, visible))
 
 
 def physical_axis_size(name: str) -> int:

@@ -241,16 +241,14 @@ def plan_axis_resources(sizes: dict[str, int], axis_resources: dict[str, tuple],
             raise NxopsError(
                 f"The size of axis {name!r} is the symbolic {sizes[name]}, which jax.export "
                 f"cannot prove divisible by the total size {total} of the resources assigned "
-                f"to it, {_show(resources)}{_mesh_note(mesh, mesh_axes)}. Declare it a "
-                f"multiple: jax.export.symbolic_shape('{total}*{sizes[name]}') (k*b) in "
-                f"place of '{sizes[name]}'.")
+                f"to it, {_show(resources)}{_mesh_note(mesh, mesh_axes)}. "
+                + _symbolic_size_hint(sizes[name], total))
         if sizes[name] % total:
             raise NxopsError(
                 f"The size of axis {name!r} ({sizes[name]}) is not divisible by the total "
                 f"size of the resources assigned to it, {_show(resources)} of total size "
-                f"{total}{_mesh_note(mesh, mesh_axes)}. "
-                + (_symbolic_size_hint(sizes[name], total) if not isinstance(sizes[name], int)
-                   else f"Assign resources whose sizes multiply to a divisor of {sizes[name]}."))
+                f"{total}{_mesh_note(mesh, mesh_axes)}. Assign resources whose sizes "
+                f"multiply to a divisor of {sizes[name]}.")
         axes.append(AxisPlan(name, sizes[name], tuple(mesh_axes), tuple(axis_loops),
                              sizes[name] // total, _vmap_name(name, mesh_axes, axis_loops, mesh)))
     if all_missing:
