@@ -15,7 +15,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 import nxops as nx
 # The block, its placements and its hand-written twin: one definition, shared
 # with the benchmark that times them.
-from bench.bench_training import IN_AXES, PLACEMENTS, named_block, shard_map_twin
+from bench.bench_training import (IN_AXES, PLACEMENTS, named_block, shard_map_twin,
+                                  training_mesh)
 
 DP, MP = 2, 4                  # the (dp, mp) mesh; the names batch (DP) and shard (MP)
 B, D, H, V = 8, 32, 64, 48     # per-batch-position examples, model, hidden, vocab
@@ -54,7 +55,7 @@ TRANSFORMS = {"forward": lambda f: f,
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_training_step_compiles_like_its_shard_map_twin(placement, transform):
     resources = PLACEMENTS[placement]
-    mesh = jax.make_mesh((DP, MP), ("dp", "mp"))
+    mesh = training_mesh()
     with jax.set_mesh(mesh):
         twin, specs = shard_map_twin(resources, mesh)
         args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(operands(), specs)]
