@@ -178,7 +178,7 @@ class _Analysis:
             return self._while(eqn, ins)
         if name == "cond":
             return self._cond(eqn, ins)
-        sub = [_open(j) for j in core.jaxprs_in_params(params)]
+        sub = [_open(j) for j in _sub_jaxprs(params)]
         if len(sub) == 1 and len(sub[0].invars) == len(ins) and len(sub[0].outvars) == n_out:
             return self.run(sub[0], ins)   # jit, checkpoint, custom_jvp/vjp, shard_map, ...
         if sub:
@@ -302,6 +302,17 @@ class _Analysis:
                     f"chunks of {a!r} and {b!r}, so this would compute wrong results. Map "
                     f"one of them to other resources (other mesh axes, or none) in "
                     f"axis_resources (e.g. keep only {a!r} on {show_resource(resource)}).")
+
+
+def _sub_jaxprs(params) -> list:
+    """The jaxprs in an equation's params, also those JAX 0.12's "hi"
+    primitives (``call_hi_primitive``: custom_root) keep as attributes of the
+    object in their params."""
+    found = list(core.jaxprs_in_params(params))
+    for value in params.values():
+        found += [v for v in getattr(value, "__dict__", {}).values()
+                  if isinstance(v, (Jaxpr, ClosedJaxpr))]
+    return found
 
 
 def _open(jaxpr: Jaxpr | ClosedJaxpr) -> Jaxpr:
