@@ -83,7 +83,7 @@ def _explicit_axes_left_automatic() -> bool:
     return any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
 
 
-def _group_size(axis_name) -> int:
+def _positions_along(axis_name) -> int:
     names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
     return math.prod(lax.axis_size(name) for name in names)
 
@@ -92,7 +92,7 @@ def _all_gather_by_all_to_all(x, axis_name, axis: int, tiled: bool) -> jax.Array
     """All-gather as an all-to-all of ``n`` copies (the same bytes per device as
     a ring all-gather); its transpose is an all-to-all and a sum, not JAX's
     ``psum_scatter``."""
-    n = _group_size(axis_name)
+    n = _positions_along(axis_name)
     copies = jnp.broadcast_to(jnp.expand_dims(x, axis), x.shape[:axis] + (n,) + x.shape[axis:])
     gathered = lax.all_to_all(copies, axis_name, axis, axis)   # dim axis: position j's x
     if tiled:
@@ -101,7 +101,7 @@ def _all_gather_by_all_to_all(x, axis_name, axis: int, tiled: bool) -> jax.Array
 
 
 def _reduce_scatter_by_all_to_all(x, axis_name, dim: int, tiled: bool) -> jax.Array:
-    n = _group_size(axis_name)
+    n = _positions_along(axis_name)
     if tiled:   # [.., n*k, ..] -> [.., n, k, ..]: chunk j goes to position j
         x = x.reshape(x.shape[:dim] + (n, x.shape[dim] // n) + x.shape[dim + 1:])
     received = lax.all_to_all(x, axis_name, dim, dim)   # dim j: position j's chunk for me
