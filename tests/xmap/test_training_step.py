@@ -79,6 +79,9 @@ def test_training_step_compiles_like_its_shard_map_twin(placement, transform):
         twin_step = jax.jit(TRANSFORMS[transform](twin))
         compiled, twin_compiled = step.lower(*args).compile(), twin_step.lower(*args).compile()
         assert op_counts(compiled) == op_counts(twin_compiled)
+        # and the calls move nothing the twin's do not
+        assert compiled.input_shardings == twin_compiled.input_shardings
+        assert compiled.output_shardings == twin_compiled.output_shardings
         mine, theirs = instructions(compiled), instructions(twin_compiled)
         assert mine == theirs, ("only in the xmap program:\n" + "\n".join(mine - theirs)
                                 + "\nonly in the shard_map twin:\n" + "\n".join(theirs - mine))
