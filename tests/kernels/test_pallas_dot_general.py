@@ -210,16 +210,31 @@ def test_bf16_matmul_under_a_global_matmul_precision_matches_numpy(style, precis
 
 @pytest.mark.parametrize("arch,itemsize,shape,want", [
     ("sm90", 2, (4096, 4096, 4096), (128, 256, 64, 8, 3)),    # wgmma m64n256, enough tiles
-    ("sm90", 2, (1024, 1024, 1024), (128, 128, 64, 8, 3)),    # 128x256 would leave SMs idle
+    ("sm90", 2, (1024, 1024, 1024), (64, 64, 128, 4, 3)),     # 128x128: 64 programs, 132 SMs
     ("sm90", 4, (4096, 4096, 4096), (128, 128, 32, 8, 3)),    # TF32
     ("sm80", 2, (4096, 4096, 4096), (128, 128, 64, 8, 3)),    # mma.sync within 163 KiB
     ("sm80", 4, (4096, 4096, 4096), (128, 128, 32, 8, 3)),
-    ("sm90", 2, (8, 4096, 4096), (16, 128, 64, 2, 3)),        # skinny: no 128-row tile
+    ("sm90", 2, (8, 4096, 4096), (16, 16, 256, 2, 3)),        # decode: 256 programs, 132 SMs
+    ("sm80", 2, (8, 4096, 4096), (16, 32, 256, 2, 3)),        # 128 programs, 108 SMs
+    ("sm90", 2, (128, 4096, 4096), (64, 32, 128, 2, 3)),      # B read by 2 rows of tiles
     ("sm80", 4, (8, 20, 8), (16, 16, 32, 2, 3)),
 ])
 def test_triton_matmul_config_is_chosen_per_architecture_and_shape(arch, itemsize, shape, want):
     n_m, n_k, n_n = shape
     assert pallas_dot.triton_matmul_config(n_m, n_n, n_k, itemsize, arch) == want
+
+
+@pytest.mark.parametrize("arch", ["sm90", "sm80"])
+@pytest.mark.parametrize("shape", [(8, 4096, 4096), (128, 4096, 4096), (1, 4096, 14336),
+                                   (8, 14336, 4096), (1024, 1024, 1024), (3, 300, 700)])
+def test_skinny_matmul_tiles_fill_the_sms_in_one_launch(arch, shape):
+    # Decode shapes: tiles narrowed (no split-K: its partials need a second launch)
+    # until the launch has a program per SM, where the output has that many 16x16 tiles.
+    n_m, n_k, n_n = shape
+    bm, bn, bk, warps, stages = pallas_dot.triton_matmul_config(n_m, n_n, n_k, 2, arch)
+    programs = -(-n_m // bm) * -(-n_n // bn)
+    assert programs >= min(pallas_dot.SM_COUNT[arch], -(-n_m // 16) * -(-n_n // 16))
+    assert min(bm, bn, bk) >= 16 and stages * (bm + bn) * bk * 2 <= 160 * 1024
 
 
 def test_gpu_arch_comes_from_the_lowering_devices_else_defaults_to_hopper():

@@ -252,8 +252,8 @@ def test_grouped_program_order_visits_every_output_tile_once(n_tiles_m, n_tiles_
 @pytest.mark.parametrize("shape,itemsize,want", [
     ((4096, 4096, 4096), 2, (128, 256, 64, 8, 3)),  # no GPU here: the sm90 (H100) row
     ((4096, 4096, 4096), 4, (128, 128, 32, 8, 3)),
-    ((8, 4096, 4096), 2, (16, 128, 64, 2, 3)),      # skinny: no 128-row tile on 8 rows
-    ((100, 60, 20), 2, (128, 64, 32, 4, 3)),
+    ((8, 4096, 4096), 2, (16, 16, 256, 2, 3)),      # decode: narrowed to fill 132 SMs
+    ((100, 60, 20), 2, (16, 16, 32, 2, 3)),
 ])
 def test_triton_matmul_config_by_shape_class(shape, itemsize, want):
     assert pallas_dot.triton_matmul_config(*shape, itemsize) == want

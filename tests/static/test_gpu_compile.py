@@ -79,8 +79,12 @@ def test_matmul_configuration_follows_the_architecture_and_shape(compiled):
     # 4096^2 outputs: 128x256 tiles on H100 (512 programs), 128x128 on A100 (1024).
     assert big.blocks == {"h100": 512, "a100": 1024}[arch], (arch, big.grid)
     assert big.warps == 8
+    # Decode-shaped 8x4096x4096: tiles narrowed until the launch fills the SMs
+    # (16x16 on H100: 256 programs; 16x32 on A100: 128), mma on tensor cores.
     skinny = reports["matmul_skinny", "bfloat16"].kernel("nxops_dot_general")
-    assert skinny.blocks == 4096 // 128 and skinny.warps == 2, (arch, skinny)   # 16x128 tiles
+    assert skinny.blocks == {"h100": 256, "a100": 128}[arch] and skinny.warps == 2, (arch, skinny)
+    assert skinny.blocks >= gpu.ARCHS[arch].sm_count
+    assert skinny.tensor_core and skinny.tensor_core.startswith("mma."), (arch, skinny)
 
 
 def test_highest_precision_f32_matmul_stays_off_tensor_cores():

@@ -140,7 +140,7 @@ def call_kwargs(target: Target, *, dimension_semantics: tuple[str, ...] = (),
 DEFAULT_CAPS: dict[str, dict[str, int]] = {
     # triton: a (rows x cols) register tile of <= 4096 elements per program.
     "triton": {"rows": 64, "cols": 1024, "tile": 4096,
-               "m": 128, "n": 256, "k": 64},   # matmul: see dot_general.triton_matmul_config
+               "m": 128, "n": 256, "k": 256},  # matmul: see dot_general.triton_matmul_config
     # mosaic: ~2 MiB f32 input blocks (double-buffered: well under the
     # 16 MiB default scoped VMEM); 512x512 matmul output tiles (f32: ~7 MiB of
     # VMEM) read each operand N/512 or M/512 times: 256 FLOP per bf16 byte, over

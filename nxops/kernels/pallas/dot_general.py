@@ -87,8 +87,20 @@ def _shape_class(n_m: int, n_n: int) -> str:
     return "large" if n_m >= 128 and n_n >= 128 else "small"
 
 
+# SMs per architecture (H100 SXM: 132, A100: 108): a launch with fewer
+# programs leaves SMs idle (bench/static/model.py charges it SMs / CTAs).
+SM_COUNT = {"sm90": 132, "sm80": 108}
+# The smallest tile side (``tl.dot`` takes blocks of at least 16).
+MIN_TILE = 16
+# K block of a narrowed (skinny) tile: up to 256 (a memory-bound program
+# keeps more of B in flight than with 64), as long as its pipeline stages fit
+# in 96 KiB of shared memory (two programs per SM on the A100's 163 KiB).
+NARROW_BK = 256
+NARROW_SMEM_BYTES = 96 * 1024
+
+
 def triton_matmul_config(n_m: int, n_n: int, n_k: int, itemsize: int,
-                         arch: str | None = None) -> tuple[int, ...]:
+                         arch: str | None = None, n_batch: int = 1) -> tuple[int, ...]:
     """(bm, bn, bk, warps, stages) for the Triton matmul on ``arch`` (default:
     the architecture being lowered for, ``nxops.kernels._gpu_target``).
 
@@ -96,7 +108,9 @@ def triton_matmul_config(n_m: int, n_n: int, n_k: int, itemsize: int,
     falls back to "large" where the arch has no wide row). Small or skinny
     dims take the next power of two (at least 16, at most 128), K blocks of
     64 (2-byte) or 32 (f32) within the dim: no 128-row tile on an 8-row
-    matrix. The ``block_caps`` in force bound all three.
+    matrix. Where ``n_batch`` x tiles would leave SMs idle (decode shapes:
+    8x4096x4096 in 16x128 tiles is 32 programs on 132 SMs), the tile is
+    narrowed (see :func:`_narrowed`). The ``block_caps`` in force bound all three.
     """
     arch = arch or _gpu_target.gpu_arch()
     size = 2 if itemsize <= 2 else 4
@@ -108,13 +122,43 @@ def triton_matmul_config(n_m: int, n_n: int, n_k: int, itemsize: int,
     else:
         pow2 = lambda n, top: min(top, max(16, _common.next_power_of_2(n)))  # noqa: E731
         bm, bn = pow2(n_m, 128), pow2(n_n, 128)
-        row = (bm, bn, 64 if size == 2 else 32,
-               8 if bm * bn >= 128 * 128 else 4 if bm * bn >= 64 * 64 else 2, 3)
+        row = (bm, bn, 64 if size == 2 else 32, _warps_for_tile(bm, bn), 3)
     bm, bn, bk, warps, stages = row
     bm = min(bm, _common.cap("triton", "m"))
     bn = min(bn, _common.cap("triton", "n"))
+    narrow = _narrowed(n_m, n_n, bm, bn, n_batch, SM_COUNT.get(arch, SM_COUNT["sm90"]))
+    if narrow != (bm, bn):
+        (bm, bn), warps = narrow, _warps_for_tile(*narrow)
+        fits = NARROW_SMEM_BYTES // (stages * (bm + bn) * size)
+        bk = max(bk, min(NARROW_BK, 1 << (fits.bit_length() - 1)))
     bk = min(bk, _common.cap("triton", "k"), max(16, _common.next_power_of_2(n_k)))
     return bm, bn, bk, warps, stages
+
+
+def _warps_for_tile(bm: int, bn: int) -> int:
+    return 8 if bm * bn >= 128 * 128 else 4 if bm * bn >= 64 * 64 else 2
+
+
+def _narrowed(n_m: int, n_n: int, bm: int, bn: int, n_batch: int, sms: int) -> tuple[int, int]:
+    """(bm, bn) halved, the longer side first (bn on a tie: B, the big operand
+    of a decode GEMM, stays read once per row of tiles), until ``n_batch`` x
+    tiles fills ``sms`` or both sides are :data:`MIN_TILE`. Instead of
+    split-K: its partial sums need a second launch (the Triton kernel's
+    split-K models 1.22 of cuBLAS at 8x4096x4096 on H100; narrowed tiles, one
+    launch, tie cuBLAS' bytes)."""
+    def programs(bm, bn):
+        return n_batch * -(-n_m // bm) * -(-n_n // bn)
+
+    while programs(bm, bn) < sms and max(bm, bn) > MIN_TILE:
+        if bn >= bm and bn > MIN_TILE and bn // 2 < n_n:
+            bn //= 2
+        elif bm > MIN_TILE and bm // 2 < n_m:
+            bm //= 2
+        elif bn > MIN_TILE and bn // 2 < n_n:
+            bn //= 2
+        else:
+            break
+    return bm, bn
 
 
 def _block_dot(a, b, precision, interpret: bool):
@@ -181,7 +225,8 @@ def batched_matmul(a3, b3, out_dtype, precision, target: Target) -> jax.Array:
     out_shape = jax.ShapeDtypeStruct((n_batch, n_m, n_n), out_dtype)
     if style == "triton":
         itemsize = max(jnp.dtype(a3.dtype).itemsize, jnp.dtype(b3.dtype).itemsize)
-        bm, bn, bk, warps, stages = triton_matmul_config(n_m, n_n, n_k, itemsize)
+        bm, bn, bk, warps, stages = triton_matmul_config(n_m, n_n, n_k, itemsize,
+                                                           n_batch=n_batch)
         return pl.pallas_call(
             functools.partial(_matmul_kernel_triton, bm=bm, bn=bn, bk=bk, precision=precision,
                               interpret=target.interpret),
