@@ -95,11 +95,17 @@ def test_reduce_blocks_cuda():
     # columns kernel: inner block 1024, reduced block 4096 // 1024 = 4; a
     # program per (outer, inner block) would be 8 x 4 = 32: the 750 reduced
     # blocks are cut into 10 pieces of 75 (320 programs >= _layout.GPU_TARGET_PROGRAMS),
-    # then a second call reduces the 10 partial rows.
+    # then a second call reduces the 10 partial rows, in 128-column blocks so
+    # that it too has a program per SM (8 x 32 = 256 >= 132; 1024 would give 32).
     text = lower_text(lambda x: pallas_reduce.reduce(x, axes=(1,), op="max", platform="cuda"),
                       spec((8, 3000, 4096), jnp.bfloat16), platform="cuda")
     first, second = kernel_calls(text, "cuda")
-    assert first["grid"] == (8, 4, 10) and second["grid"] == (8, 4, 1)
+    assert first["grid"] == (8, 4, 10) and second["grid"] == (8, 32, 1)
+    # One slab (4096^2 columns): 264 first-pass programs, 256 in the second (16 columns).
+    text = lower_text(lambda x: pallas_reduce.reduce(x, axes=(0,), op="max", platform="cuda"),
+                      spec((4096, 4096), jnp.bfloat16), platform="cuda")
+    first, second = kernel_calls(text, "cuda")
+    assert math.prod(first["grid"]) >= 264 and second["grid"] == (1, 256, 1)
 
 
 def test_reduce_blocks_tpu():

@@ -119,8 +119,13 @@ def test_split_reductions_add_one_small_second_pass(compiled):
     for name in ("columns_max", "columns_lse", "single_row_sum"):
         kernels = [k for k in reports[name, "float32"].kernels if k.name.startswith("nxops_reduce")]
         assert len(kernels) == 2, (arch, name, [k.name for k in kernels])
-        first, second = sorted(kernels, key=lambda k: -k.blocks)
-        assert second.blocks <= first.blocks // 32, (arch, name, first.grid, second.grid)
+        first, second = kernels   # in launch order
+        if name.startswith("columns"):
+            # The second pass over 4096 columns of partials: narrow column
+            # blocks give it a program per SM (it ran on 4).
+            assert second.blocks >= gpu.ARCHS[arch].sm_count, (arch, name, second.grid)
+        else:
+            assert second.blocks <= first.blocks // 32, (arch, name, first.grid, second.grid)
 
 
 def test_logsumexp_keeps_per_lane_statistics_at_four_ctas_per_sm(compiled):
