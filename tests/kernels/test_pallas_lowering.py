@@ -14,13 +14,14 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from nxops.kernels import _gpu_target, _tpu_target
 from nxops.kernels.pallas import dot_general as pallas_dot
 from nxops.kernels.pallas import reduce as pallas_reduce
 from nxops.kernels.pallas import tile as pallas_tile
 from nxops.kernels.xla import reduce as xla_reduce
 from tests.kernels._lowered import CALL_TARGET, kernel_calls, lower_text
 from tests.kernels.test_pallas_dot_general import CASES as DOT_CASES
-from tests.kernels.test_pallas_dot_general import dot_general_problems
+from tests.kernels.test_pallas_dot_general import FakeTpu, dot_general_problems
 
 PLATFORMS = ("cuda", "tpu")
 OPS = xla_reduce.REDUCE_OPS
@@ -200,6 +201,22 @@ def test_dot_general_blocks():
         a, b, dimension_numbers=dn, platform="tpu"), *args, platform="tpu"), "tpu")
     assert call["grid"] == (3, 2, 2, 1)
     assert call["blocks"] == [(1, 512, 300), (1, 300, 512), (1, 512, 512)]
+
+
+@pytest.mark.parametrize("kind,chip", [("TPU v5 lite", "v5e"), ("TPU v6 lite", "v6e"),
+                                       ("TPU v5", "v5p")])
+def test_dot_general_tpu_tiles_follow_the_chip(kind, chip):
+    # 4096^3 bf16: the chip's least-traffic tile (not 512^3, which reads A and B
+    # 8 times each: 3.5x the MXU time on v6e by the traffic count).
+    mm = (((1,), (0,)), ((), ()))
+    args = (spec((4096, 4096), jnp.bfloat16),) * 2
+    with _gpu_target.target_devices([FakeTpu(kind)]):
+        (call,) = kernel_calls(lower_text(lambda a, b: pallas_dot.dot_general(
+            a, b, dimension_numbers=mm, platform="tpu"), *args, platform="tpu"), "tpu")
+    bm, bn, bk, _ = pallas_dot.mosaic_matmul_tiles(1, 4096, 4096, 4096, 2, 2,
+                                                   _tpu_target.CHIPS[chip])
+    assert call["blocks"] == [(1, bm, bk), (1, bk, bn), (1, bm, bn)] and bm * bn > 512 * 512
+    assert call["grid"] == (1, 4096 // bm, 4096 // bn, 4096 // bk)
 
 
 @hypothesis.settings(max_examples=25, deadline=None, derandomize=True)
