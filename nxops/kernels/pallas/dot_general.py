@@ -9,10 +9,12 @@ contracting, free) -- each a no-op when the operand is already in that order
 -- and reshaped. The kernel accumulates ``a_block @ b_block`` over K in f32:
 
 - Triton (GPU): grid ``(B, M/bm, N/bn)``, a ``fori_loop`` over K with masked
-  loads (zeros past the edges), ``tl.dot`` blocks of at least 16;
+  loads (zeros past the edges), ``tl.dot`` blocks of at least 16; tiles
+  narrowed on skinny shapes so that one launch fills the SMs;
 - Mosaic (TPU): grid ``(B, M/bm, N/bn, K/bk)`` with K last ("arbitrary"), an
   f32 VMEM accumulator, and the K tail of both operands zeroed (edge blocks
-  hold garbage, and 0 * NaN is NaN).
+  hold garbage, and 0 * NaN is NaN); the tile is the chip's least-traffic one
+  (:func:`mosaic_matmul_tiles`).
 
 Output dtype as ``lax.dot_general`` with ``preferred_element_type``.
 ``precision`` goes to the in-kernel ``jnp.dot``: on Triton, ``DEFAULT``/``HIGH``
@@ -276,8 +278,9 @@ def batched_matmul(a3, b3, out_dtype, precision, target: Target) -> jax.Array:
 # the tile of least time whose VMEM (double-buffered blocks, the f32
 # accumulator, Mosaic's temporaries) fits half the chip's VMEM wins; N sides
 # are multiples of the MXU width (256 on v6e). One 512^3 tile for every chip
-# was 2.2x the MXU time on v6e at 8192^3 bf16 (HBM-bound: A and B read 16
-# times); v6e takes 2048x2048 tiles there.
+# was 3.45x the roofline on v6e at 8192^3 bf16 by this count (HBM-bound: A and
+# B read 16 times each); v6e takes 1024x2048x1024 there, 1.08x
+# (bench/static/TPU.md has the table per chip and dtype).
 
 _TILE_SIDES = (128, 256, 512, 1024, 2048, 4096)
 _STEP_SECONDS = 0.35e-6
