@@ -363,10 +363,14 @@ _LAUNCH_LINE = re.compile(r"(\S+) grid: \[(\d+), (\d+), (\d+)\]")
 
 
 def _gpu_grids(dump: pathlib.Path) -> dict[str, list[int]]:
+    """CTAs per kernel name, in launch order. The thunk sequence names a
+    kernel's second launch ``name__1`` (a split reduction's second pass),
+    while the HLO custom call keeps ``name``: both are filed under ``name``."""
     grids: dict[str, list[int]] = {}
     for path in sorted(dump.glob("*thunk_sequence.txt")):
         for m in _LAUNCH_LINE.finditer(path.read_text()):
-            grids.setdefault(m.group(1), []).append(math.prod(map(int, m.group(2, 3, 4))))
+            name = re.sub(r"__\d+$", "", m.group(1))
+            grids.setdefault(name, []).append(math.prod(map(int, m.group(2, 3, 4))))
     return grids
 
 

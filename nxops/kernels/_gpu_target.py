@@ -16,6 +16,8 @@ from typing import Iterator, Sequence
 
 import jax
 
+from nxops.kernels import _tpu_target
+
 ARCHS = ("sm90", "sm80")   # wgmma (Hopper) | mma.sync (Ampere, Ada)
 DEFAULT_COMPUTE_CAPABILITY = 90
 
@@ -44,9 +46,11 @@ def target_devices(devices: Sequence) -> Iterator[None]:
     it is a CUDA GPU; otherwise the enclosing choice stays)."""
     capability = capability_of(devices[0]) if devices else None
     token = _TARGET.set(capability or _TARGET.get())
+    tpu_token = _tpu_target.set_kind(devices)   # the TPU generation, likewise
     try:
         yield
     finally:
+        _tpu_target.reset(tpu_token)
         _TARGET.reset(token)
 
 

@@ -87,7 +87,9 @@ def auto_preference(op: str, platform: str) -> tuple[str, ...]:
 #   condition, where XLA's column reduction would leave SMs idle: it launches
 #   about one CTA per 128 kept columns per outer index (4096^2 bf16: 32 CTAs on
 #   132 SMs); the kernel splits the rows over 264 programs and a second small
-#   pass: modelled 14.7 µs against 43.3 (0.34); 16384x4096 f32 logsumexp 0.48.
+#   pass over the partials, itself in 16-column blocks so that it has 256
+#   programs (in 1024-column blocks it had 4: 13.2 µs of the then 25.6, 0.59):
+#   modelled 14.7 µs against 43.3 (0.34); 16384x4096 f32 logsumexp 0.48.
 #   Where XLA fills the SMs the kernel's second launch loses ((8, 3000, 4096)
 #   bf16 sum over 3000: 1.05), and under 8 MiB the second launch costs more
 #   than the idle SMs. On tpu it ties (42.0 / 42.0): XLA.
@@ -95,11 +97,24 @@ def auto_preference(op: str, platform: str) -> tuple[str, ...]:
 #   axes): XLA's reduction fusions make one pass too and fuse with their
 #   neighbours (layer norm over a named axis with kernels: 7.00 on H100, 3.28
 #   on v5e); no modelled win: XLA.
-# - einsum (dot_general), cuda and tpu: the Pallas matmul ties cuBLAS / XLA's
-#   MXU dots at best (same bytes and FLOPs), and loses where XLA fuses around
-#   the dot (gelu epilogue: 1.23 on H100, 1.15 on v5e; transposes in the
-#   gradient: 1.15 on H100, 2.27 on v5e) or where its launch leaves SMs idle
-#   (8x4096x4096 on H100: 3.61): XLA.
+# - einsum (dot_general), cuda: the Pallas matmul ties cuBLAS at best (same
+#   bytes and FLOPs). Decode shapes no longer leave SMs idle: their tiles
+#   narrow until one launch fills the SMs (8x4096x4096 bf16: 256 programs of
+#   16x16 on H100, modelled 12.1 µs = cuBLAS's 12.1, was 43.5 with 32
+#   programs; 128x4096x4096: 12.6 = 12.6, was 45.9; A100 likewise 1.00; the
+#   Triton kernel's split-K needs a second launch for its partials: 1.22 and
+#   1.95). A tie is no win, and XLA fuses around its dots where the kernel
+#   cannot (gelu epilogue 1.23, gradient transposes 1.15 on H100): XLA.
+# - einsum, tpu: the Mosaic matmul now takes each chip's least-traffic tile
+#   (pallas/dot_general.py, mosaic_matmul_tiles: by the traffic count within
+#   1.01-1.1x of the roofline for LLM shapes on v5e/v5p/v6e, where one 512^3
+#   tile was 1.3-3.5x). The model credits a Mosaic call one read of each
+#   operand, which these tiles achieve on decode shapes, and there it models
+#   wins (M = 8-512, K = N = 4096 bf16: 0.54-0.97 on v5e and v6e) only
+#   because XLA's program first copies the weight into VMEM (a cross-program
+#   prefetch) and the model charges that copy unoverlapped, a limit the model
+#   states; with a gelu epilogue 0.99 / 1.02; gradients' transposes 2.25 / 4.07:
+#   XLA, until a TPU measures the decode case.
 # - tile: XLA's dynamic slice reads only the tile; the kernel adds a launch for
 #   the index and reads its whole operand (2.42 on 4 H100s; a tie on v5e): XLA.
 # - collectives: not modelled (NCCL / ICI); XLA's are tuned: XLA.
@@ -128,15 +143,20 @@ EVIDENCE = {
                       "(4096^2 bf16: one pass against XLA's two)",
     "columns": "XLA's column reduction would launch fewer CTAs than SMs: modelled "
                "kernel/xla 0.34 on H100 (max over 4096 rows of 4096^2 bf16: 32 CTAs on "
-               "132 SMs; the kernel splits the rows over 264 programs)",
+               "132 SMs; the kernel splits the rows over 264 programs, its second pass "
+               "over the partials 256)",
     "fused_producer": "XLA fuses the operand's producer {producer} into its reduction "
                       "(a kernel would write and re-read the operand: sum(exp(v)*w) "
                       "modelled 2.00 on H100)",
     "reduce_other": "no modelled win: XLA's reduction fusion makes one pass and fuses "
                     "with its neighbours (layer norm over a named axis: 7.0 on H100)",
     "reduce_tpu": "no modelled win on TPU: XLA's fused reduction reads the operand once",
-    "einsum": "no modelled win: cuBLAS/XLA dots tie the kernel at best and fuse "
-              "epilogues and transposes (gelu 1.23, grad 1.15, 8x4096x4096 3.61 on H100)",
+    "einsum": "no modelled win: cuBLAS/XLA dots tie the kernel at best (8x4096x4096 "
+              "on H100: 1.00, its tiles narrowed to fill the SMs; was 3.61) and fuse "
+              "epilogues and transposes (gelu 1.23, grad 1.15 on H100)",
+    "einsum_tpu": "no modelled win on TPU but where XLA's weight prefetch is charged "
+                  "unoverlapped (decode 8-512x4096x4096: 0.54-0.97 on v5e/v6e, a model "
+                  "limit; gelu epilogue 1.02, grad 2.25 on v5e): XLA until measured",
     "tile": "no modelled win: XLA's dynamic slice reads only the tile "
             "(kernel 2.42 on 4 H100s)",
     "collective": "not modelled (NCCL / ICI); XLA's collectives are kept",
@@ -182,6 +202,8 @@ def auto_rule(op: str, platform: str, avals: Sequence[Any], params: dict,
     family = OP_FAMILY[op]
     if platform == "cpu":
         return False, EVIDENCE["cpu"]
+    if family == "einsum" and platform == "tpu":
+        return False, EVIDENCE["einsum_tpu"]
     if family != "reduce":
         return False, EVIDENCE.get(family, EVIDENCE["unmodelled"].format(platform=platform))
     if platform not in ("cuda", "tpu"):

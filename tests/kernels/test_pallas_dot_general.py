@@ -13,7 +13,8 @@ import pytest
 from jax import lax
 
 from nxops._errors import NxopsError
-from nxops.kernels import _gpu_target, _registry
+from nxops.kernels import _gpu_target, _registry, _tpu_target
+from nxops.kernels.pallas import _common
 from nxops.kernels.pallas import dot_general as pallas_dot
 from nxops.kernels.xla import dot_general as xla_dot
 from tests.kernels._tolerances import assert_close, small_blocks
@@ -210,16 +211,31 @@ def test_bf16_matmul_under_a_global_matmul_precision_matches_numpy(style, precis
 
 @pytest.mark.parametrize("arch,itemsize,shape,want", [
     ("sm90", 2, (4096, 4096, 4096), (128, 256, 64, 8, 3)),    # wgmma m64n256, enough tiles
-    ("sm90", 2, (1024, 1024, 1024), (128, 128, 64, 8, 3)),    # 128x256 would leave SMs idle
+    ("sm90", 2, (1024, 1024, 1024), (64, 64, 128, 4, 3)),     # 128x128: 64 programs, 132 SMs
     ("sm90", 4, (4096, 4096, 4096), (128, 128, 32, 8, 3)),    # TF32
     ("sm80", 2, (4096, 4096, 4096), (128, 128, 64, 8, 3)),    # mma.sync within 163 KiB
     ("sm80", 4, (4096, 4096, 4096), (128, 128, 32, 8, 3)),
-    ("sm90", 2, (8, 4096, 4096), (16, 128, 64, 2, 3)),        # skinny: no 128-row tile
+    ("sm90", 2, (8, 4096, 4096), (16, 16, 256, 2, 3)),        # decode: 256 programs, 132 SMs
+    ("sm80", 2, (8, 4096, 4096), (16, 32, 256, 2, 3)),        # 128 programs, 108 SMs
+    ("sm90", 2, (128, 4096, 4096), (64, 32, 128, 2, 3)),      # B read by 2 rows of tiles
     ("sm80", 4, (8, 20, 8), (16, 16, 32, 2, 3)),
 ])
 def test_triton_matmul_config_is_chosen_per_architecture_and_shape(arch, itemsize, shape, want):
     n_m, n_k, n_n = shape
     assert pallas_dot.triton_matmul_config(n_m, n_n, n_k, itemsize, arch) == want
+
+
+@pytest.mark.parametrize("arch", ["sm90", "sm80"])
+@pytest.mark.parametrize("shape", [(8, 4096, 4096), (128, 4096, 4096), (1, 4096, 14336),
+                                   (8, 14336, 4096), (1024, 1024, 1024), (3, 300, 700)])
+def test_skinny_matmul_tiles_fill_the_sms_in_one_launch(arch, shape):
+    # Decode shapes: tiles narrowed (no split-K: its partials need a second launch)
+    # until the launch has a program per SM, where the output has that many 16x16 tiles.
+    n_m, n_k, n_n = shape
+    bm, bn, bk, warps, stages = pallas_dot.triton_matmul_config(n_m, n_n, n_k, 2, arch)
+    programs = -(-n_m // bm) * -(-n_n // bn)
+    assert programs >= min(pallas_dot.SM_COUNT[arch], -(-n_m // 16) * -(-n_n // 16))
+    assert min(bm, bn, bk) >= 16 and stages * (bm + bn) * bk * 2 <= 160 * 1024
 
 
 def test_gpu_arch_comes_from_the_lowering_devices_else_defaults_to_hopper():
@@ -232,3 +248,66 @@ def test_gpu_arch_comes_from_the_lowering_devices_else_defaults_to_hopper():
         with _gpu_target.target_devices(jax.devices("cpu")):  # not a GPU: the choice stays
             assert _gpu_target.gpu_arch() == "sm80"
     assert _gpu_target.gpu_arch() == "sm90"
+
+
+# --- Mosaic tiles per TPU generation ----------------------------------------------
+
+
+class FakeTpu:
+    platform = "tpu"
+
+    def __init__(self, device_kind):
+        self.device_kind = device_kind
+
+
+def test_tpu_generation_comes_from_the_lowering_devices():
+    assert _tpu_target.tpu_chip() is None                   # none known: the generic tile
+    with _gpu_target.target_devices([FakeTpu("TPU v6 lite")]):
+        assert _tpu_target.tpu_chip().name == "v6e"
+        with _gpu_target.target_devices(jax.devices("cpu")):  # not a TPU: the choice stays
+            assert _tpu_target.tpu_chip().name == "v6e"
+    assert [_tpu_target.chip_for_kind(k) for k in ("TPU v5 lite", "TPU v5", "TPU v5p", "TPU v4",
+                                                   "cpu")] == ["v5e", "v5p", "v5p", "v4", None]
+
+
+# (M, K, N): LLM projections / FFN / LM heads, decode, and odd sizes.
+TPU_SHAPES = [(8192, 8192, 8192), (4096, 4096, 14336), (4096, 14336, 4096),
+              (16384, 8192, 14336), (4096, 4096, 128256), (8, 4096, 4096), (128, 4096, 4096),
+              (1000, 700, 1100), (3, 5000, 300)]
+
+
+@pytest.mark.parametrize("chip", ["v5e", "v5p", "v6e"])
+@pytest.mark.parametrize("itemsize", [2, 4])
+def test_mosaic_tiles_fit_vmem_and_model_no_slower_than_the_generic_tile(chip, itemsize):
+    spec = _tpu_target.CHIPS[chip]
+    for n_m, n_k, n_n in TPU_SHAPES:
+        args = (1, n_m, n_n, n_k)
+        bm, bn, bk, limit = pallas_dot.mosaic_matmul_tiles(*args, itemsize, itemsize, spec)
+        assert bm == n_m or bm % 8 == 0, (chip, bm)            # legal Mosaic blocks
+        assert bn == n_n or bn % spec.mxu == 0, (chip, bn)
+        assert bk == n_k or bk % 128 == 0, (chip, bk)
+        vmem = pallas_dot.matmul_tile_vmem(bm, bn, bk, itemsize, itemsize, n_k % bk != 0)
+        assert vmem <= spec.vmem_bytes // 2 and vmem < limit <= spec.vmem_bytes
+        generic = pallas_dot.mosaic_matmul_tiles(*args, itemsize, itemsize, None)[:3]
+        assert (pallas_dot.matmul_tile_seconds(*args, bm, bn, bk, itemsize, itemsize, spec)
+                <= pallas_dot.matmul_tile_seconds(*args, *generic, itemsize, itemsize, spec))
+        # A stays in VMEM across column blocks only when K is one block.
+        traffic = pallas_dot.matmul_tile_traffic(*args, bm, bn, bk, itemsize, itemsize)
+        a_reads = 1 if bk == n_k else -(-n_n // bn)
+        assert traffic == itemsize * (n_m * n_k * a_reads + n_k * n_n * -(-n_m // bm) + n_m * n_n)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_mosaic_matmul_in_a_chips_tiles_matches_numpy_on_edge_blocks(dtype):
+    # Tiles chosen for v5e within 128 caps: 128^3 blocks, edges in M, N and K.
+    dn = (((2,), (1,)), ((0,), (0,)))
+    a, b = operands((2, 300, 260), (2, 260, 390), dtype)
+    a = a.at[1, 7, 3].set(jnp.nan)
+    with (_gpu_target.target_devices([FakeTpu("TPU v5 lite")]),
+          _common.block_caps("mosaic", m=128, n=128, k=128)):
+        assert pallas_dot.mosaic_matmul_tiles(
+            2, 300, 390, 260, 4, 4, _tpu_target.tpu_chip())[:3] == (128, 128, 128)
+        got = pallas_fn("mosaic", dn, precision=HIGHEST)(a, b)
+    want = numpy_dot_general(a, b, dn)
+    assert np.isnan(np.asarray(got, np.float32)[1, 7]).all()
+    assert_close(got, want, dtype, math.sqrt(260))

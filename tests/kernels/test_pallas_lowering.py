@@ -14,13 +14,14 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from nxops.kernels import _gpu_target, _tpu_target
 from nxops.kernels.pallas import dot_general as pallas_dot
 from nxops.kernels.pallas import reduce as pallas_reduce
 from nxops.kernels.pallas import tile as pallas_tile
 from nxops.kernels.xla import reduce as xla_reduce
 from tests.kernels._lowered import CALL_TARGET, kernel_calls, lower_text
 from tests.kernels.test_pallas_dot_general import CASES as DOT_CASES
-from tests.kernels.test_pallas_dot_general import dot_general_problems
+from tests.kernels.test_pallas_dot_general import FakeTpu, dot_general_problems
 
 PLATFORMS = ("cuda", "tpu")
 OPS = xla_reduce.REDUCE_OPS
@@ -95,11 +96,17 @@ def test_reduce_blocks_cuda():
     # columns kernel: inner block 1024, reduced block 4096 // 1024 = 4; a
     # program per (outer, inner block) would be 8 x 4 = 32: the 750 reduced
     # blocks are cut into 10 pieces of 75 (320 programs >= _layout.GPU_TARGET_PROGRAMS),
-    # then a second call reduces the 10 partial rows.
+    # then a second call reduces the 10 partial rows, in 128-column blocks so
+    # that it too has a program per SM (8 x 32 = 256 >= 132; 1024 would give 32).
     text = lower_text(lambda x: pallas_reduce.reduce(x, axes=(1,), op="max", platform="cuda"),
                       spec((8, 3000, 4096), jnp.bfloat16), platform="cuda")
     first, second = kernel_calls(text, "cuda")
-    assert first["grid"] == (8, 4, 10) and second["grid"] == (8, 4, 1)
+    assert first["grid"] == (8, 4, 10) and second["grid"] == (8, 32, 1)
+    # One slab (4096^2 columns): 264 first-pass programs, 256 in the second (16 columns).
+    text = lower_text(lambda x: pallas_reduce.reduce(x, axes=(0,), op="max", platform="cuda"),
+                      spec((4096, 4096), jnp.bfloat16), platform="cuda")
+    first, second = kernel_calls(text, "cuda")
+    assert math.prod(first["grid"]) >= 264 and second["grid"] == (1, 256, 1)
 
 
 def test_reduce_blocks_tpu():
@@ -196,6 +203,22 @@ def test_dot_general_blocks():
     assert call["blocks"] == [(1, 512, 300), (1, 300, 512), (1, 512, 512)]
 
 
+@pytest.mark.parametrize("kind,chip", [("TPU v5 lite", "v5e"), ("TPU v6 lite", "v6e"),
+                                       ("TPU v5", "v5p")])
+def test_dot_general_tpu_tiles_follow_the_chip(kind, chip):
+    # 4096^3 bf16: the chip's least-traffic tile (not 512^3, which reads A and B
+    # 8 times each: 3.5x the MXU time on v6e by the traffic count).
+    mm = (((1,), (0,)), ((), ()))
+    args = (spec((4096, 4096), jnp.bfloat16),) * 2
+    with _gpu_target.target_devices([FakeTpu(kind)]):
+        (call,) = kernel_calls(lower_text(lambda a, b: pallas_dot.dot_general(
+            a, b, dimension_numbers=mm, platform="tpu"), *args, platform="tpu"), "tpu")
+    bm, bn, bk, _ = pallas_dot.mosaic_matmul_tiles(1, 4096, 4096, 4096, 2, 2,
+                                                   _tpu_target.CHIPS[chip])
+    assert call["blocks"] == [(1, bm, bk), (1, bk, bn), (1, bm, bn)] and bm * bn > 512 * 512
+    assert call["grid"] == (1, 4096 // bm, 4096 // bn, 4096 // bk)
+
+
 @hypothesis.settings(max_examples=25, deadline=None, derandomize=True)
 @hypothesis.given(problem=dot_general_problems())
 def test_dot_general_lowers_for_random_dimension_numbers(problem):
@@ -252,8 +275,8 @@ def test_grouped_program_order_visits_every_output_tile_once(n_tiles_m, n_tiles_
 @pytest.mark.parametrize("shape,itemsize,want", [
     ((4096, 4096, 4096), 2, (128, 256, 64, 8, 3)),  # no GPU here: the sm90 (H100) row
     ((4096, 4096, 4096), 4, (128, 128, 32, 8, 3)),
-    ((8, 4096, 4096), 2, (16, 128, 64, 2, 3)),      # skinny: no 128-row tile on 8 rows
-    ((100, 60, 20), 2, (128, 64, 32, 4, 3)),
+    ((8, 4096, 4096), 2, (16, 16, 256, 2, 3)),      # decode: narrowed to fill 132 SMs
+    ((100, 60, 20), 2, (16, 16, 32, 2, 3)),
 ])
 def test_triton_matmul_config_by_shape_class(shape, itemsize, want):
     assert pallas_dot.triton_matmul_config(*shape, itemsize) == want

@@ -15,7 +15,9 @@ require_extra("compile", "libtpu")
 from jax import lax
 
 import nxops as nx
+from nxops.kernels import _tpu_target
 from nxops.kernels.pallas import _common
+from nxops.kernels.pallas import dot_general as pallas_dot
 from bench.static import tpu
 
 S = jax.ShapeDtypeStruct
@@ -104,9 +106,12 @@ def test_each_kernel_declares_its_cost_and_xla_counts_it(compiled):
         mm = reports["matmul", dtype]
         flops = 2 * 1000 * 700 * 1100
         ((mm_flops, _, mm_bytes),) = mm.estimates
-        # 512 x 512 output tiles: a read once per column of tiles (3), b once per row (2)
-        assert (mm_flops, mm_bytes) == (flops, (3 * 1000 * 700 + 2 * 700 * 1100 + 1000 * 1100)
-                                        * itemsize), (chip, dtype)
+        # The chip's tile (chosen by its traffic): the kernel declares that traffic,
+        # so the chip was known when the kernel lowered.
+        tiles = pallas_dot.mosaic_matmul_tiles(1, 1000, 1100, 700, itemsize, itemsize,
+                                               _tpu_target.CHIPS[chip])[:3]
+        assert (mm_flops, mm_bytes) == (flops, pallas_dot.matmul_tile_traffic(
+            1, 1000, 1100, 700, *tiles, itemsize, itemsize)), (chip, dtype, tiles)
         # XLA's cost model adds the kernels' estimates to the program's cost
         assert lse.cost["transcendentals"] >= n, (chip, dtype, lse.cost)
         assert mm.cost["flops"] >= flops, (chip, dtype, mm.cost)
@@ -127,3 +132,15 @@ def test_xla_baseline_has_a_tpu_cost_model_time():
                              chip="v5e")
     assert report.kernels == []
     assert report.optimal_seconds > 0
+
+
+@pytest.mark.parametrize("chip", ["v5e", "v6e"])
+def test_llm_matmul_compiles_in_the_chips_large_tiles(chip):
+    # 4096^3 bf16 takes 1024-row tiles and a raised VMEM limit (tens of MiB): Mosaic
+    # accepts them on the chip (a scoped-VMEM overflow is a compile error).
+    tiles = pallas_dot.mosaic_matmul_tiles(1, 4096, 4096, 4096, 2, 2, _tpu_target.CHIPS[chip])
+    assert tiles[0] >= 1024 and tiles[3] > 32 << 20, tiles
+    with nx.kernels.use("pallas"):
+        report = tpu.compile_tpu(matmul, S((4096, 4096), jnp.bfloat16),
+                                 S((4096, 4096), jnp.bfloat16), chip=chip)
+    assert report.kernels == ["nxops_dot_general"]

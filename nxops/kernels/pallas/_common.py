@@ -111,7 +111,8 @@ def target_for(platform: str, style: str | None = None) -> Target:
 
 
 def call_kwargs(target: Target, *, dimension_semantics: tuple[str, ...] = (),
-                num_warps: int = 4, num_stages: int = 2) -> dict:
+                num_warps: int = 4, num_stages: int = 2,
+                vmem_limit_bytes: int | None = None) -> dict:
     """The ``pallas_call`` keyword arguments that select ``target``'s backend.
 
     On cuda the Triton ``CompilerParams`` type is what makes Pallas lower via
@@ -121,7 +122,8 @@ def call_kwargs(target: Target, *, dimension_semantics: tuple[str, ...] = (),
         return {"interpret": True}
     if target.style == "triton":
         return {"compiler_params": plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)}
-    return {"compiler_params": pltpu.CompilerParams(dimension_semantics=dimension_semantics)}
+    return {"compiler_params": pltpu.CompilerParams(dimension_semantics=dimension_semantics,
+                                                    vmem_limit_bytes=vmem_limit_bytes)}
 
 
 # ---------------------------------------------------------------------------
@@ -140,13 +142,13 @@ def call_kwargs(target: Target, *, dimension_semantics: tuple[str, ...] = (),
 DEFAULT_CAPS: dict[str, dict[str, int]] = {
     # triton: a (rows x cols) register tile of <= 4096 elements per program.
     "triton": {"rows": 64, "cols": 1024, "tile": 4096,
-               "m": 128, "n": 256, "k": 64},   # matmul: see dot_general.triton_matmul_config
+               "m": 128, "n": 256, "k": 256},  # matmul: see dot_general.triton_matmul_config
     # mosaic: ~2 MiB f32 input blocks (double-buffered: well under the
-    # 16 MiB default scoped VMEM); 512x512 matmul output tiles (f32: ~7 MiB of
-    # VMEM) read each operand N/512 or M/512 times: 256 FLOP per bf16 byte, over
-    # v5e's 240 (bench/static/TPU.md: 8192^3 bf16 was memory-bound with 256x256).
+    # 16 MiB default scoped VMEM). Matmul tiles are chosen per TPU generation
+    # by their traffic (dot_general.mosaic_matmul_tiles) up to these caps;
+    # 512^3 where the chip is not known.
     "mosaic": {"rows": 256, "cols": 2048, "tile": 512 * 1024,
-               "m": 512, "n": 512, "k": 512},
+               "m": 4096, "n": 4096, "k": 4096},
 }
 
 _CAPS: contextvars.ContextVar[dict[str, dict[str, int]]] = contextvars.ContextVar(

@@ -9,10 +9,12 @@ contracting, free) -- each a no-op when the operand is already in that order
 -- and reshaped. The kernel accumulates ``a_block @ b_block`` over K in f32:
 
 - Triton (GPU): grid ``(B, M/bm, N/bn)``, a ``fori_loop`` over K with masked
-  loads (zeros past the edges), ``tl.dot`` blocks of at least 16;
+  loads (zeros past the edges), ``tl.dot`` blocks of at least 16; tiles
+  narrowed on skinny shapes so that one launch fills the SMs;
 - Mosaic (TPU): grid ``(B, M/bm, N/bn, K/bk)`` with K last ("arbitrary"), an
   f32 VMEM accumulator, and the K tail of both operands zeroed (edge blocks
-  hold garbage, and 0 * NaN is NaN).
+  hold garbage, and 0 * NaN is NaN); the tile is the chip's least-traffic one
+  (:func:`mosaic_matmul_tiles`).
 
 Output dtype as ``lax.dot_general`` with ``preferred_element_type``.
 ``precision`` goes to the in-kernel ``jnp.dot``: on Triton, ``DEFAULT``/``HIGH``
@@ -40,7 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
-from nxops.kernels import _gpu_target, _layout
+from nxops.kernels import _gpu_target, _layout, _tpu_target
 from nxops.kernels._registry import Kernel, register
 from nxops.kernels.pallas import _common
 from nxops.kernels.xla.dot_general import free_dims
@@ -87,8 +89,20 @@ def _shape_class(n_m: int, n_n: int) -> str:
     return "large" if n_m >= 128 and n_n >= 128 else "small"
 
 
+# SMs per architecture (H100 SXM: 132, A100: 108): a launch with fewer
+# programs leaves SMs idle (bench/static/model.py charges it SMs / CTAs).
+SM_COUNT = {"sm90": 132, "sm80": 108}
+# The smallest tile side (``tl.dot`` takes blocks of at least 16).
+MIN_TILE = 16
+# K block of a narrowed (skinny) tile: up to 256 (a memory-bound program
+# keeps more of B in flight than with 64), as long as its pipeline stages fit
+# in 96 KiB of shared memory (two programs per SM on the A100's 163 KiB).
+NARROW_BK = 256
+NARROW_SMEM_BYTES = 96 * 1024
+
+
 def triton_matmul_config(n_m: int, n_n: int, n_k: int, itemsize: int,
-                         arch: str | None = None) -> tuple[int, ...]:
+                         arch: str | None = None, n_batch: int = 1) -> tuple[int, ...]:
     """(bm, bn, bk, warps, stages) for the Triton matmul on ``arch`` (default:
     the architecture being lowered for, ``nxops.kernels._gpu_target``).
 
@@ -96,7 +110,9 @@ def triton_matmul_config(n_m: int, n_n: int, n_k: int, itemsize: int,
     falls back to "large" where the arch has no wide row). Small or skinny
     dims take the next power of two (at least 16, at most 128), K blocks of
     64 (2-byte) or 32 (f32) within the dim: no 128-row tile on an 8-row
-    matrix. The ``block_caps`` in force bound all three.
+    matrix. Where ``n_batch`` x tiles would leave SMs idle (decode shapes:
+    8x4096x4096 in 16x128 tiles is 32 programs on 132 SMs), the tile is
+    narrowed (see :func:`_narrowed`). The ``block_caps`` in force bound all three.
     """
     arch = arch or _gpu_target.gpu_arch()
     size = 2 if itemsize <= 2 else 4
@@ -108,13 +124,43 @@ def triton_matmul_config(n_m: int, n_n: int, n_k: int, itemsize: int,
     else:
         pow2 = lambda n, top: min(top, max(16, _common.next_power_of_2(n)))  # noqa: E731
         bm, bn = pow2(n_m, 128), pow2(n_n, 128)
-        row = (bm, bn, 64 if size == 2 else 32,
-               8 if bm * bn >= 128 * 128 else 4 if bm * bn >= 64 * 64 else 2, 3)
+        row = (bm, bn, 64 if size == 2 else 32, _warps_for_tile(bm, bn), 3)
     bm, bn, bk, warps, stages = row
     bm = min(bm, _common.cap("triton", "m"))
     bn = min(bn, _common.cap("triton", "n"))
+    narrow = _narrowed(n_m, n_n, bm, bn, n_batch, SM_COUNT.get(arch, SM_COUNT["sm90"]))
+    if narrow != (bm, bn):
+        (bm, bn), warps = narrow, _warps_for_tile(*narrow)
+        fits = NARROW_SMEM_BYTES // (stages * (bm + bn) * size)
+        bk = max(bk, min(NARROW_BK, 1 << (fits.bit_length() - 1)))
     bk = min(bk, _common.cap("triton", "k"), max(16, _common.next_power_of_2(n_k)))
     return bm, bn, bk, warps, stages
+
+
+def _warps_for_tile(bm: int, bn: int) -> int:
+    return 8 if bm * bn >= 128 * 128 else 4 if bm * bn >= 64 * 64 else 2
+
+
+def _narrowed(n_m: int, n_n: int, bm: int, bn: int, n_batch: int, sms: int) -> tuple[int, int]:
+    """(bm, bn) halved, the longer side first (bn on a tie: B, the big operand
+    of a decode GEMM, stays read once per row of tiles), until ``n_batch`` x
+    tiles fills ``sms`` or both sides are :data:`MIN_TILE`. Instead of
+    split-K: its partial sums need a second launch (the Triton kernel's
+    split-K models 1.22 of cuBLAS at 8x4096x4096 on H100; narrowed tiles, one
+    launch, tie cuBLAS' bytes)."""
+    def programs(bm, bn):
+        return n_batch * -(-n_m // bm) * -(-n_n // bn)
+
+    while programs(bm, bn) < sms and max(bm, bn) > MIN_TILE:
+        if bn >= bm and bn > MIN_TILE and bn // 2 < n_n:
+            bn //= 2
+        elif bm > MIN_TILE and bm // 2 < n_m:
+            bm //= 2
+        elif bn > MIN_TILE and bn // 2 < n_n:
+            bn //= 2
+        else:
+            break
+    return bm, bn
 
 
 def _block_dot(a, b, precision, interpret: bool):
@@ -181,7 +227,8 @@ def batched_matmul(a3, b3, out_dtype, precision, target: Target) -> jax.Array:
     out_shape = jax.ShapeDtypeStruct((n_batch, n_m, n_n), out_dtype)
     if style == "triton":
         itemsize = max(jnp.dtype(a3.dtype).itemsize, jnp.dtype(b3.dtype).itemsize)
-        bm, bn, bk, warps, stages = triton_matmul_config(n_m, n_n, n_k, itemsize)
+        bm, bn, bk, warps, stages = triton_matmul_config(n_m, n_n, n_k, itemsize,
+                                                           n_batch=n_batch)
         return pl.pallas_call(
             functools.partial(_matmul_kernel_triton, bm=bm, bn=bn, bk=bk, precision=precision,
                               interpret=target.interpret),
@@ -191,9 +238,11 @@ def batched_matmul(a3, b3, out_dtype, precision, target: Target) -> jax.Array:
             cost_estimate=_common.matmul_cost(a3, b3, out_shape, bm, bn),
             **_common.call_kwargs(target, num_warps=warps, num_stages=stages),
         )(a3, b3)
-    bm = _common.block_size(style, n_m, "m", align=8)
-    bn = _common.block_size(style, n_n, "n", align=128)
-    bk = _common.block_size(style, n_k, "k", align=128)
+    chip = _tpu_target.tpu_chip()   # None: unknown (e.g. interpret mode on CPU)
+    itemsize, out_itemsize = jnp.dtype(a3.dtype).itemsize, jnp.dtype(out_dtype).itemsize
+    bm, bn, bk, vmem_limit = mosaic_matmul_tiles(n_batch, n_m, n_n, n_k, itemsize, out_itemsize,
+                                                 chip)
+    traffic = matmul_tile_traffic(n_batch, n_m, n_n, n_k, bm, bn, bk, itemsize, out_itemsize)
     return pl.pallas_call(
         functools.partial(_matmul_kernel_mosaic, n_k=n_k, precision=precision,
                           interpret=target.interpret),
@@ -206,10 +255,104 @@ def batched_matmul(a3, b3, out_dtype, precision, target: Target) -> jax.Array:
             out_specs=pl.BlockSpec((None, bm, bn), lambda b, i, j, k: (b, i, j)),
             scratch_shapes=[pltpu.VMEM((bm, bn), F32)]),
         name="nxops_dot_general",
-        cost_estimate=_common.matmul_cost(a3, b3, out_shape, bm, bn),
+        cost_estimate=pl.CostEstimate(flops=2 * n_batch * n_m * n_n * n_k, transcendentals=0,
+                                      bytes_accessed=traffic),
         **_common.call_kwargs(
-            target, dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+            target, dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+            vmem_limit_bytes=vmem_limit),
     )(a3, b3)
+
+
+# ---------------------------------------------------------------------------
+# Mosaic tiles per TPU generation, by the traffic count
+#
+# With the grid (b, i, j, k), K innermost, the pipeline fetches a block only
+# when its index changes between steps: A's block (i, k) is re-read for every
+# column block j unless K is one block (then it stays in VMEM while j moves),
+# B's block (k, j) for every row block i; each output block is written once.
+# So a tile bm x bn x bk moves
+#     A: M K (1 if bk == K else ceil(N / bn)),  B: K N ceil(M / bm),  out: M N
+# bytes, and runs ceil(M/bm) ceil(N/bn) ceil(K/bk) grid steps of ~0.35 µs. Its
+# time on a chip is max(bytes / HBM bandwidth, padded FLOPs / MXU peak) + the
+# steps and the first fetch and last write, which the pipeline cannot overlap;
+# the tile of least time whose VMEM (double-buffered blocks, the f32
+# accumulator, Mosaic's temporaries) fits half the chip's VMEM wins; N sides
+# are multiples of the MXU width (256 on v6e). One 512^3 tile for every chip
+# was 3.45x the roofline on v6e at 8192^3 bf16 by this count (HBM-bound: A and
+# B read 16 times each); v6e takes 1024x2048x1024 there, 1.08x
+# (bench/static/TPU.md has the table per chip and dtype).
+
+_TILE_SIDES = (128, 256, 512, 1024, 2048, 4096)
+_STEP_SECONDS = 0.35e-6
+_GENERIC_TILE = 512        # an unknown chip (and interpret mode): 512^3, the old default
+
+
+def _tile_candidates(dim: int, cap: int, align: int) -> list[int]:
+    """Legal block sides for ``dim``: the whole dim when under ``cap``, else
+    multiples of ``align`` among :data:`_TILE_SIDES` below the dim."""
+    sides = [s for s in _TILE_SIDES if s < dim and s <= cap and s % align == 0]
+    return sides + ([dim] if dim <= cap else []) or [min(cap, _TILE_SIDES[-1])]
+
+
+def matmul_tile_traffic(n_batch: int, n_m: int, n_n: int, n_k: int, bm: int, bn: int, bk: int,
+                        itemsize: int, out_itemsize: int) -> int:
+    """HBM bytes the Mosaic matmul moves with ``bm x bn x bk`` tiles (above)."""
+    a_reads = 1 if bk >= n_k else -(-n_n // bn)
+    return n_batch * (n_m * n_k * itemsize * a_reads + n_k * n_n * itemsize * -(-n_m // bm)
+                      + n_m * n_n * out_itemsize)
+
+
+def matmul_tile_vmem(bm: int, bn: int, bk: int, itemsize: int, out_itemsize: int,
+                     k_tail: bool) -> int:
+    """VMEM of a tile: double-buffered A, B and output blocks, the f32
+    accumulator, and Mosaic's temporaries: the loaded A and B blocks (again
+    when K has a tail: the masked copies), the f32 product and sum (libtpu
+    asked 39.8 MiB for 1024x1024x2048 bf16 on v5e: this count)."""
+    blocks = (bm * bk + bk * bn) * itemsize
+    return (3 * blocks + 2 * bm * bn * out_itemsize + 3 * 4 * bm * bn
+            + (blocks if k_tail else 0))
+
+
+def matmul_tile_seconds(n_batch, n_m, n_n, n_k, bm, bn, bk, itemsize, out_itemsize,
+                        chip: _tpu_target.Chip) -> float:
+    """The tile's time on ``chip`` by the traffic count (above)."""
+    steps = n_batch * -(-n_m // bm) * -(-n_n // bn) * -(-n_k // bk)
+    padded = 2 * n_batch * -(-n_m // bm) * bm * -(-n_n // bn) * bn * -(-n_k // bk) * bk
+    peak = chip.bf16_flops / (2 if itemsize >= 4 else 1)
+    traffic = matmul_tile_traffic(n_batch, n_m, n_n, n_k, bm, bn, bk, itemsize, out_itemsize)
+    # The pipeline does not overlap the first step's fetch nor the last write.
+    exposed = ((bm * bk + bk * bn) * itemsize + bm * bn * out_itemsize) / chip.bandwidth
+    return max(traffic / chip.bandwidth, padded / peak) + exposed + steps * _STEP_SECONDS
+
+
+def mosaic_matmul_tiles(n_batch: int, n_m: int, n_n: int, n_k: int, itemsize: int,
+                        out_itemsize: int, chip: "_tpu_target.Chip | None"
+                        ) -> tuple[int, int, int, int | None]:
+    """(bm, bn, bk, VMEM limit or None) of the Mosaic matmul on ``chip``: the
+    tile of least modelled time (above) within half the chip's VMEM and the
+    ``block_caps`` in force; with no chip, the generic 512^3 tile."""
+    caps = {d: _common.cap("mosaic", d) for d in "mnk"}
+    if chip is None:
+        side = lambda dim, name: dim if dim <= min(caps[name], _GENERIC_TILE) \
+            else min(caps[name], _GENERIC_TILE)  # noqa: E731
+        return side(n_m, "m"), side(n_n, "n"), side(n_k, "k"), None
+    budget = chip.vmem_bytes // 2
+    best = None
+    for bm in _tile_candidates(n_m, caps["m"], 8):
+        for bn in _tile_candidates(n_n, caps["n"], chip.mxu):
+            for bk in _tile_candidates(n_k, caps["k"], 128):
+                vmem = matmul_tile_vmem(bm, bn, bk, itemsize, out_itemsize, n_k % bk != 0)
+                if vmem > budget:
+                    continue
+                key = (matmul_tile_seconds(n_batch, n_m, n_n, n_k, bm, bn, bk, itemsize,
+                                           out_itemsize, chip), vmem)
+                if best is None or key < best[0]:
+                    best = (key, (bm, bn, bk))
+    if best is None:   # nothing fits (caps larger than VMEM allows): the generic tile
+        return mosaic_matmul_tiles(n_batch, n_m, n_n, n_k, itemsize, out_itemsize, None)
+    (_, vmem), (bm, bn, bk) = best
+    # Mosaic's default scoped VMEM (16-32 MiB) is below what large tiles use.
+    return bm, bn, bk, min(chip.vmem_bytes * 3 // 4, vmem + vmem // 4 + 4 * _tpu_target.MIB)
 
 
 # ---------------------------------------------------------------------------

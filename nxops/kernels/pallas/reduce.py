@@ -334,15 +334,33 @@ def _column_kernel_triton(x_ref, o_ref, *, op: str, br: int, bi: int, piece_bloc
                 mask=out_cols < n_inner)
 
 
-def _column_reduce_triton(x3, op: str, target: Target, out_dtype, *, may_split: bool
-                          ) -> jax.Array:
+# The narrowest column block of a second pass: 16 f32 lanes (64 bytes, two
+# 32-byte sectors per row read).
+_MIN_SECOND_PASS_COLUMNS = 16
+
+
+def _second_pass_columns(bi: int, n_outer: int, n_inner: int) -> int:
+    """``bi`` halved until the second pass over the partials has a program
+    per SM (``GPU_TARGET_PROGRAMS // 2``): in 1024-column blocks, 4096^2's
+    partials ran on 4 programs."""
+    while (n_outer * pl.cdiv(n_inner, bi) < _layout.GPU_TARGET_PROGRAMS // 2
+           and bi > _MIN_SECOND_PASS_COLUMNS):
+        bi //= 2
+    return bi
+
+
+def _column_reduce_triton(x3, op: str, target: Target, out_dtype, *, may_split: bool,
+                          second_pass: bool = False) -> jax.Array:
     """``[outer, reduced, inner] -> [outer, split, inner]``: f32 partial
     results of ``split`` pieces of the reduced dim (``out_dtype`` when
-    ``split == 1``)."""
+    ``split == 1``). ``second_pass``: ``x3`` holds a first pass's partials;
+    narrower column blocks give it more programs."""
     n_outer, n_reduced, n_inner = x3.shape
     style = target.style
     tile = _triton_tile(op)
     bi = min(_common.block_size(style, n_inner, "cols"), tile)
+    if second_pass:
+        bi = _second_pass_columns(bi, n_outer, n_inner)
     br = _common.block_size(style, n_reduced, "rows")
     br = min(br, max(1, tile // bi))
     n_blocks = pl.cdiv(n_reduced, br)
@@ -365,7 +383,8 @@ def _column_reduce(x3, op: str, target: Target) -> jax.Array:
         # reduced dim is cut into pieces, whose f32 partials a second call reduces.
         partial = _column_reduce_triton(x3, op, target, x3.dtype, may_split=True)
         if partial.shape[1] > 1:
-            partial = _column_reduce_triton(partial, op, target, x3.dtype, may_split=False)
+            partial = _column_reduce_triton(partial, op, target, x3.dtype, may_split=False,
+                                            second_pass=True)
         return partial[:, 0, :]
     br = _common.block_size(style, n_reduced, "rows", power_of_2=op == "prod", align=8)
     bi = _common.block_size(style, n_inner, "cols", align=128)
