@@ -333,6 +333,8 @@ def ppermute(x: ArrayLike, axis_name: AxisNames,
     size = axis_size(axis_name)
     perm = _check_perm(perm, axis_name, size)
     physical, vmap_names, mesh_names = _physical(axis_name, "ppermute")
+    if size == 0:   # no positions: none sends, none receives (and there is no table to index)
+        return jnp.zeros_like(x)
     if mesh_names and not vmap_names:   # lax.ppermute on devices zero-fills partial perms
         return lax.ppermute(x, _one_or_tuple(physical), perm)
     if len(perm) == size and len(physical) == 1:   # a full permutation of a vmapped name

@@ -414,6 +414,11 @@ def _over_mesh(local_program: Callable, plan: Plan, in_specs: list[AxisSpec],
         else:
             passed = [(_reshard_inside_manual_region(x, plan, s), s) for x, s in passed]
         out_specs: list = []   # filled in once the body's results are known
+        # Zero-size results hold no data either: they are made outside the
+        # shard_map (a zero-size result sharded over mesh axes cannot be read:
+        # PJRT hands back each shard with the global shape, o01). Per result:
+        # None, or the ShapeDtypeStruct of the global zero-size value.
+        empty_results: list = []
 
         def sharded(*local):
             pinned = _pin_constants()  # noqa: F841 - alive while the body is traced
@@ -421,8 +426,10 @@ def _over_mesh(local_program: Callable, plan: Plan, in_specs: list[AxisSpec],
             args = [next(local) if e is None else jnp.zeros(e, x.dtype)
                     for x, e in zip(flat, empty)]
             results = local_program(*args)
-            out_specs[:] = [plan.partition_spec(s, x.ndim) for x, s in zip(results, outputs.specs)]
-            return results
+            pspecs = [plan.partition_spec(s, x.ndim) for x, s in zip(results, outputs.specs)]
+            empty_results[:] = [_empty_global(x, p, plan.mesh) for x, p in zip(results, pspecs)]
+            out_specs[:] = [p for p, e in zip(pspecs, empty_results) if e is None]
+            return [x for x, e in zip(results, empty_results) if e is None]
 
         abstract = jax.sharding.get_abstract_mesh()
         mesh = abstract if not abstract.empty else plan.mesh
@@ -435,7 +442,23 @@ def _over_mesh(local_program: Callable, plan: Plan, in_specs: list[AxisSpec],
         # Under jax.vmap(..., spmd_axis_name=...) the spmd axes are manual too:
         # JAX's batching rule of a shard_map that leaves them automatic fails (r13).
         axis_names = frozenset(plan.mesh_axes) | spmd_axis_names()
-        return jax.shard_map(sharded, mesh=mesh, in_specs=in_pspecs, out_specs=out_specs,
-                             axis_names=axis_names, check_vma=False)(
-                                 *[x for x, _ in passed])
+        results = iter(jax.shard_map(sharded, mesh=mesh, in_specs=in_pspecs, out_specs=out_specs,
+                                     axis_names=axis_names, check_vma=False)(
+                                         *[x for x, _ in passed]))
+        return [next(results) if e is None else jnp.zeros(e.shape, e.dtype)
+                for e in empty_results]
     return program
+
+
+def _empty_global(x, pspec, mesh) -> jax.ShapeDtypeStruct | None:
+    """The global shape and dtype of a zero-size local result ``x`` (split by
+    ``pspec`` over ``mesh``), or None when it holds data (or is of an extended
+    dtype such as PRNG keys, which jnp.zeros cannot make)."""
+    if x.size != 0 or jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
+        return None
+    entries = tuple(pspec) + (None,) * (x.ndim - len(pspec))
+    shape = []
+    for size, entry in zip(x.shape, entries):
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        shape.append(size * math.prod(mesh.shape[a] for a in axes))
+    return jax.ShapeDtypeStruct(tuple(shape), x.dtype)

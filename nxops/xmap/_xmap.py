@@ -184,6 +184,7 @@ class XmapFunction:
 
     def _make_jitted(self, mesh: Mesh | None, resources: dict):
         def run(*args):
+            nested = _ENCLOSING_MESH.get() is not None
             plan, flat_specs = self._plan(args, mesh, resources)
             with _enclosing_mesh():
                 variance = analyse_body(self._fun, plan, jax.tree.structure(args),
@@ -196,7 +197,9 @@ class XmapFunction:
             tree, leaves = jax.tree.structure(args), jax.tree.leaves(args)
             with logical_axes(plan.logical_axes()), _enclosing_mesh(), \
                     watch_mesh_ops_in_while() as mesh_ops_in_while:
-                results = self._trace(program, plan, tree, leaves, flat_specs)
+                results = self._trace(program, plan, tree, leaves, flat_specs, nested)
+            if nested:
+                results = [_unsharded_type(x) for x in results]
             if mesh_ops_in_while and plan.mesh is not None:   # rare: one more trace
                 with _enclosing_mesh():
                     check_uniform_trip_counts(self._fun, plan, tree, leaves, flat_specs)
@@ -210,7 +213,7 @@ class XmapFunction:
             return on_mesh
         return _OffMesh(mesh, jitted, on_mesh)
 
-    def _trace(self, program, plan: Plan, tree, leaves: list, flat_specs: list):
+    def _trace(self, program, plan: Plan, tree, leaves: list, flat_specs: list, nested: bool):
         """``program(*leaves)``; on a mesh, retraced once if the body closes over
         arrays made under an Explicit mesh, which JAX refuses inside the
         shard_map: typed on the body's mesh (see ``_jax.pin_constant``)."""
@@ -218,12 +221,14 @@ class XmapFunction:
             return program(*leaves)
         except NxopsError:
             raise
-        except Exception:
+        except Exception as e:
             if plan.mesh is None:
                 raise
             constants = explicit_mesh_constants(
                 closed_over_constants(self._fun, plan, tree, leaves, flat_specs))
             if not constants:
+                if nested and _closing_over_explicit(e):
+                    raise _nested_closure_error(plan) from e
                 raise
         with pinned_constants(constants):
             try:
@@ -299,6 +304,33 @@ def _closed_over_error(constants: list, plan: Plan) -> NxopsError:
         f"{plan.mesh_axes}: values typed on the all-Explicit mesh do not mix with the "
         f"body's partly Manual one (jax-ml/jax#29162). Pass them to the xmapped function "
         f"as arguments (in_axes [...] replicates one), or make them outside jax.set_mesh.")
+
+
+def _closing_over_explicit(error: Exception) -> bool:
+    """Whether ``error`` is JAX's refusal to close over a value typed on Explicit
+    mesh axes inside a shard_map."""
+    return isinstance(error, NotImplementedError) and "Closing over inputs to shard_map" in str(error)
+
+
+def _nested_closure_error(plan: Plan) -> NxopsError:
+    return NxopsError(
+        f"This nested xmap maps its names to mesh axes {plan.mesh_axes}, which the enclosing "
+        f"xmap leaves to JAX (Explicit axes), and its body closes over a value of the "
+        f"enclosing body: JAX {jax.__version__} cannot close over such a value inside the "
+        f"nested xmap's shard_map (NotImplementedError: 'Closing over inputs to shard_map "
+        f"where the input is sharded on Explicit axes'). Pass the value to the nested xmap "
+        f"as an argument instead (in_axes [...] gives every position the same value), or map "
+        f"the nested names to no mesh axis.")
+
+
+def _unsharded_type(x):
+    """A nested xmap's result, typed replicated over the mesh axes its type is
+    sharded on: the enclosing body sees values, whatever the placement (typed
+    sharded over an Explicit axis, even slicing the named dim fails)."""
+    spec = jax.typeof(x).sharding.spec
+    if all(entry is None for entry in spec):
+        return x
+    return jax.sharding.reshard(x, PartitionSpec(*[None] * x.ndim))
 
 
 class _UnderMesh:

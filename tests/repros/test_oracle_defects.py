@@ -1,0 +1,125 @@
+"""Regression tests of the defects the composed oracle found (issue 20, o01-o05):
+each is a small positional program with nxops, read with np.asarray, checked
+against NumPy or the positional JAX program (jax.vmap with axis_name)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import nxops as nx
+
+
+def _mesh(shape, names):
+    return jax.make_mesh(shape, names, devices=jax.devices()[:int(np.prod(shape))])
+
+
+# --- o01: a result of per-position size 0 on a mesh ----------------------------
+
+
+@pytest.mark.parametrize("with_data", [False, True])
+def test_o01_result_of_per_position_size_0_on_a_mesh_reads(with_data):
+    """PJRT hands back each shard of a zero-size result sharded over the mesh
+    with the global shape ("could not broadcast (8,0) into (1,0)" on read, when
+    no result holds data): nxops makes zero-size results outside its shard_map."""
+    x = jnp.zeros((8, 0), jnp.float32)
+    w = jnp.arange(3, dtype=jnp.float32)
+    if with_data:
+        body = lambda v, w: (v * 2, v.sum() + w)   # noqa: E731  ((0,) and (3,) per position)
+        out_axes = [["a", ...], ["a", ...]]
+    else:
+        body = lambda v, w: v   # noqa: E731
+        out_axes = ["a", ...]
+    want = jax.vmap(body, in_axes=(0, None), axis_name="a")(x, w)
+    f = nx.xmap(body, [["a", ...], [...]], out_axes, axis_resources={"a": "x"})
+    with jax.set_mesh(_mesh((8,), ("x",))):
+        got = jax.tree.leaves(f(x, w)) + jax.tree.leaves(jax.jit(f)(x, w))
+        grad = jax.grad(lambda w: jax.tree.leaves(f(x, w))[-1].sum())(w)
+    for g, wanted in zip(got, jax.tree.leaves(want) * 2):
+        assert np.asarray(g).shape == wanted.shape
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(wanted))
+    reference = jax.vmap(body, in_axes=(0, None), axis_name="a")
+    want_grad = jax.grad(lambda w: jax.tree.leaves(reference(x, w))[-1].sum())(w)
+    np.testing.assert_array_equal(np.asarray(grad), np.asarray(want_grad))
+
+
+# --- o02: ppermute over a size-0 name on a mesh ---------------------------------
+
+
+@pytest.mark.parametrize("perm", ["cycle", "partial"])
+def test_o02_ppermute_over_a_size_0_name_on_a_mesh(perm):
+    """No positions: nothing to send (the source table had no entry to index)."""
+    def pairs(n):
+        if perm == "cycle":
+            return [(i, (i + 1) % n) for i in range(n)]
+        return [(s, d) for s, d in [(0, 1), (1, 2), (5, 3)] if s < n and d < n]
+
+    x = jnp.ones((0, 4), jnp.float32)
+    body = lambda v: nx.ppermute(v, "a", pairs(nx.axis_size("a"))) + v   # noqa: E731
+    want = jax.vmap(lambda v: lax.ppermute(v, "a", pairs(0)) + v, axis_name="a")(x)
+    f = nx.xmap(body, [["a", ...]], ["a", ...], axis_resources={"a": "x"})
+    with jax.set_mesh(_mesh((8,), ("x",))):
+        got = np.asarray(f(x))
+        grad = np.asarray(jax.grad(lambda x: f(x).sum())(x))
+    assert got.shape == want.shape == grad.shape == (0, 4)
+
+
+# --- o04: a nested xmap whose inner name is on a mesh axis ----------------------
+
+
+def _nested(outer_resources, inner_resources, close_over: bool):
+    def body(v, w):
+        pair = jnp.stack([v, v[::-1]])
+        if close_over:
+            inner = nx.xmap(lambda u: jnp.sin(u) * v + nx.sum(u, "m") * w, [["m", ...]],
+                            ["m", ...], axis_resources=inner_resources)
+            out = inner(pair)
+        else:
+            inner = nx.xmap(lambda u, v, w: jnp.sin(u) * v + nx.sum(u, "m") * w,
+                            [["m", ...], [...], [...]], ["m", ...], axis_resources=inner_resources)
+            out = inner(pair, v, w)
+        return out[0] + out[1]     # slices the inner name's dim
+    return nx.xmap(body, [["a", ...], [...]], ["a", ...], axis_resources=outer_resources)
+
+
+def _nested_reference(x, w):
+    def body(v, w):
+        pair = jnp.stack([v, v[::-1]])
+        out = jax.vmap(lambda u: jnp.sin(u) * v + lax.psum(u, "m") * w, axis_name="m")(pair)
+        return out[0] + out[1]
+    return jax.vmap(body, in_axes=(0, None), axis_name="a")(x, w)
+
+
+@pytest.mark.parametrize("outer", [{"a": "y"}, {}])
+def test_o04_nested_xmap_on_a_mesh_axis_result_is_a_value(outer):
+    """The nested result was typed sharded over the inner's (Explicit) mesh axis,
+    so slicing its named dim raised ShardingTypeError: it is typed replicated."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.uniform(size=(8, 4)), jnp.float32)
+    w = jnp.asarray(rng.uniform(size=(4,)), jnp.float32)
+    loss = lambda f: lambda x, w: jnp.sum(f(x, w) ** 2)   # noqa: E731
+    want = _nested_reference(x, w)
+    want_grads = jax.grad(loss(_nested_reference), (0, 1))(x, w)
+    f = _nested(outer, {"m": "x"}, close_over=False)
+    with jax.set_mesh(_mesh((2, 4), ("x", "y"))):
+        got = f(x, w)
+        grads = jax.grad(loss(f), (0, 1))(x, w)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    for g, wanted in zip(grads, want_grads):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(wanted), rtol=1e-5, atol=1e-5)
+
+
+def test_o04_nested_xmap_closing_over_an_outer_value_is_refused_clearly():
+    """JAX cannot close over a value of the enclosing shard_map region (typed on
+    its Explicit axes) inside the nested shard_map: an NxopsError saying to pass
+    it as an argument, not JAX's NotImplementedError. Without the mesh the same
+    program runs, and equals the reference."""
+    x = jnp.ones((8, 4), jnp.float32)
+    w = jnp.ones((4,), jnp.float32)
+    np.testing.assert_allclose(np.asarray(_nested({}, {}, close_over=True)(x, w)),
+                               np.asarray(_nested_reference(x, w)), rtol=1e-6)
+    f = _nested({"a": "y"}, {"m": "x"}, close_over=True)
+    with jax.set_mesh(_mesh((2, 4), ("x", "y"))):
+        with pytest.raises(nx.NxopsError, match="closes over a value of the enclosing body.*"
+                                                "as an argument"):
+            np.asarray(f(x, w))
