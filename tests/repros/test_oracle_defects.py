@@ -123,3 +123,61 @@ def test_o04_nested_xmap_closing_over_an_outer_value_is_refused_clearly():
         with pytest.raises(nx.NxopsError, match="closes over a value of the enclosing body.*"
                                                 "as an argument"):
             np.asarray(f(x, w))
+
+
+# --- o03: grad outside of a contraction over a size-0 name on a mesh ------------
+
+_WRAPPERS = {
+    "map": lambda g, v: lax.map(g, jnp.stack([v, v[::-1]])).sum(0),
+    "cond": lambda g, v: lax.cond(nx.psum(jnp.int32(1), "a") >= 0, g, lambda u: u[::-1], v),
+    "switch": lambda g, v: lax.switch(nx.psum(jnp.int32(1), "a") % 2, [g, lambda u: u[::-1]], v),
+    "fori": lambda g, v: lax.fori_loop(0, 2, lambda i, c: g(c), v),
+    "scan": lambda g, v: lax.scan(lambda c, _: (g(c), None), v, None, length=2)[0],
+    "linear_solve": lambda g, v: lax.custom_linear_solve(
+        lambda t: 2 * t, g(v), lambda matvec, rhs: rhs / 2, symmetric=True),
+}
+
+
+@pytest.mark.parametrize("wrapper", sorted(_WRAPPERS))
+def test_o03_grad_outside_of_a_contraction_over_a_size_0_name_on_a_mesh(wrapper):
+    """Before main's 2adec19, zero-size inputs were passed to the shard_map, and
+    Shardy rejected the backward manual computation ("expected at least one
+    operand ... produced by a xla.sdy.GlobalToLocalShape"). Now they are made
+    inside its body: the gradient (of shape (0, 4)) reads."""
+    x = jnp.ones((0, 4), jnp.float32)
+    y = jnp.ones((0, 4), jnp.float32)
+    contractions = [lambda u, y: u * nx.einsum("<a>i,<a>i->", u, y),
+                    lambda u, y: u * nx.pdot(u, y, "a", pos_contract=((0,), (0,)))]
+    with jax.set_mesh(_mesh((8,), ("x",))):
+        for contraction in contractions:
+            body = lambda v, y: _WRAPPERS[wrapper](lambda u: contraction(u, y), v)  # noqa: E731
+            f = nx.xmap(body, [["a", ...], ["a", ...]], ["a", ...], axis_resources={"a": "x"})
+            grad = jax.jit(jax.grad(lambda x: jnp.sum(f(x, y))))(x)
+            assert np.asarray(grad).shape == (0, 4)
+
+
+# --- o05: bool psum_scatter inside checkpoint(cond per position), no resources ---
+
+
+def test_o05_bool_psum_scatter_in_checkpointed_per_position_cond():
+    """Before main's 2adec19 the vmapped psum_scatter of bool was typed bool but
+    lowered to int32 (the sum's dtype), and the `%` after it (a jitted jnp
+    function, lowered for bool) failed the verifier ("func.call operand type
+    mismatch: tensor<8x4xi1> vs tensor<8x4xi32>"). Checked against NumPy (JAX's
+    own lax.psum_scatter refuses bool)."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 2, (8, 4)).astype(bool)
+    y = rng.integers(0, 2, (8, 4)).astype(bool)
+
+    def scatter(v, y):
+        return nx.psum_scatter(nx.all_gather(v, "a") * y, "a", tiled=True)[0] % 2 == 1
+
+    def body(v, y):
+        return jax.checkpoint(lambda v, y: lax.cond(
+            nx.axis_index("a") % 2 == 0, lambda u: scatter(u, y), lambda u: u[::-1], v))(v, y)
+
+    got = np.asarray(nx.xmap(body, [["a", ...], ["a", ...]], ["a", ...])(x, y))
+    # position i's tile of sum_p all_gather(x)[j] & y[p]: x[i] * (number of y[p] set)
+    scattered = (x * y.sum(0)) % 2 == 1
+    want = np.where((np.arange(8) % 2 == 0)[:, None], scattered, x[:, ::-1])
+    np.testing.assert_array_equal(got, want)
