@@ -33,7 +33,9 @@ from nxops._jax import infer_out_axes as _infer_out_axes
 from nxops._jax import pin_constant as _pin_constant
 from nxops._jax import spmd_axis_names
 from nxops._errors import NxopsError
+from nxops.kernels.xla.collectives import CPU_UNSAFE_DTYPES
 from nxops.ops._axis_env import InternalAxisName, TileAxisName, loop_step
+from nxops.ops._collectives import _mesh_platform
 from nxops.xmap._plan import Plan, check_shared_resources
 from nxops.xmap._raw_lax import raw_lax_error
 from nxops.xmap._specs import AxisSpec, broadcast_specs, check_output_rank
@@ -413,6 +415,13 @@ def _over_mesh(local_program: Callable, plan: Plan, in_specs: list[AxisSpec],
             passed = [(_reshard(x, plan, s), s) for x, s in passed]
         else:
             passed = [(_reshard_inside_manual_region(x, plan, s), s) for x, s in passed]
+        # Under jax.vmap(..., spmd_axis_name=...) the spmd axes are manual too:
+        # JAX's batching rule of a shard_map that leaves them automatic fails (r13).
+        axis_names = frozenset(plan.mesh_axes) | spmd_axis_names()
+        in_pspecs = tuple(plan.partition_spec(s, x.ndim) for x, s in passed)
+        narrowed = [_narrowed_dtype(x, p, axis_names) for (x, _), p in zip(passed, in_pspecs)]
+        passed = [(x if d is None else x.astype(jnp.float32), s)
+                  for (x, s), d in zip(passed, narrowed)]
         out_specs: list = []   # filled in once the body's results are known
         # Zero-size results hold no data either: they are made outside the
         # shard_map (a zero-size result sharded over mesh axes cannot be read:
@@ -422,7 +431,7 @@ def _over_mesh(local_program: Callable, plan: Plan, in_specs: list[AxisSpec],
 
         def sharded(*local):
             pinned = _pin_constants()  # noqa: F841 - alive while the body is traced
-            local = iter(local)
+            local = iter([x if d is None else x.astype(d) for x, d in zip(local, narrowed)])
             args = [next(local) if e is None else jnp.zeros(e, x.dtype)
                     for x, e in zip(flat, empty)]
             results = local_program(*args)
@@ -433,21 +442,31 @@ def _over_mesh(local_program: Callable, plan: Plan, in_specs: list[AxisSpec],
 
         abstract = jax.sharding.get_abstract_mesh()
         mesh = abstract if not abstract.empty else plan.mesh
-        in_pspecs = tuple(plan.partition_spec(s, x.ndim) for x, s in passed)
         # check_vma=False: the vmap levels already check, per logical name, that
         # no result varies along a name its out_axes omit. It also keeps jax.grad
         # inside the body per position for replicated inputs (per-example
         # gradients), as under vmap and loops; check_vma=True would sum those over
         # devices, and JAX has no varying -> invariant cast to undo it for free.
-        # Under jax.vmap(..., spmd_axis_name=...) the spmd axes are manual too:
-        # JAX's batching rule of a shard_map that leaves them automatic fails (r13).
-        axis_names = frozenset(plan.mesh_axes) | spmd_axis_names()
         results = iter(jax.shard_map(sharded, mesh=mesh, in_specs=in_pspecs, out_specs=out_specs,
                                      axis_names=axis_names, check_vma=False)(
                                          *[x for x, _ in passed]))
         return [next(results) if e is None else jnp.zeros(e.shape, e.dtype)
                 for e in empty_results]
     return program
+
+
+def _narrowed_dtype(x, pspec, axis_names: frozenset):
+    """The 16-bit float dtype of an input replicated over some of the shard_map's
+    mesh axes on CPU, which then enters the shard_map as f32 (None otherwise).
+    shard_map's transpose sums such an input's cotangent over those axes, and
+    XLA:CPU aborts the process compiling a bf16/f16 all-reduce over part of a
+    mesh (CHECK "Invalid binary instruction opcode copy"; a plain shard_map
+    aborts too). The casts are exact and linear: the sum runs in f32."""
+    if x.dtype not in CPU_UNSAFE_DTYPES or _mesh_platform() != "cpu":   # (or a PRNG key)
+        return None
+    used = {a for entry in pspec if entry is not None
+            for a in ((entry,) if isinstance(entry, str) else entry)}
+    return x.dtype if axis_names - used else None
 
 
 def _empty_global(x, pspec, mesh) -> jax.ShapeDtypeStruct | None:

@@ -181,3 +181,30 @@ def test_o05_bool_psum_scatter_in_checkpointed_per_position_cond():
     scattered = (x * y.sum(0)) % 2 == 1
     want = np.where((np.arange(8) % 2 == 0)[:, None], scattered, x[:, ::-1])
     np.testing.assert_array_equal(got, want)
+
+
+# --- o06 (found here, in the composed oracle's n=8 group): a 16-bit replicated
+# input differentiated on part of a mesh --------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_o06_grad_of_a_16_bit_replicated_input_on_part_of_a_mesh(dtype):
+    """shard_map's transpose sums a replicated input's cotangent over the mesh
+    axes, and XLA:CPU aborted the process compiling that bf16/f16 all-reduce
+    over part of a mesh ("Invalid binary instruction opcode copy"; a plain
+    shard_map aborts too): such inputs now enter the shard_map as f32."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.uniform(size=(8, 4)), dtype)
+    w = jnp.asarray(rng.uniform(size=(32,)), dtype)
+    body = lambda v, w: v * nx.tile(w, {"a": 0}) + w[:4]   # noqa: E731
+    loss = lambda f: lambda x, w: jnp.sum(f(x, w).astype(jnp.float32))   # noqa: E731
+    reference = jax.vmap(lambda v, w: v * w.reshape(8, 4)[lax.axis_index("a")] + w[:4],
+                         in_axes=(0, None), axis_name="a")
+    want = jax.grad(loss(reference), (0, 1))(x, w)
+    f = nx.xmap(body, [["a", ...], [...]], ["a", ...], axis_resources={"a": "y"})
+    with jax.set_mesh(_mesh((2, 4), ("x", "y"))):
+        got = jax.jit(jax.grad(loss(f), (0, 1)))(x, w)
+    for g, wanted in zip(got, want):
+        assert g.dtype == dtype
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(wanted, np.float32),
+                                   rtol=2e-2, atol=2e-2)
