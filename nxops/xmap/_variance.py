@@ -95,8 +95,11 @@ def _analyze(body, plan: Plan, in_tree, flat_args, flat_specs, shared) -> list[N
         return None
     logical = {a.vmap_name: a.name for a in plan.axes}
     mesh_axes = {a.name: a.mesh_axes for a in plan.axes if a.mesh_axes}
-    return _Analysis(logical, shared, mesh_axes).run(
-        jaxpr.jaxpr, [Names(s.axis_names) for s in flat_specs])
+    analysis = _Analysis(logical, shared, mesh_axes)
+    variance = analysis.run(jaxpr.jaxpr, [Names(s.axis_names) for s in flat_specs])
+    # None: every name then gets a vmap level, under which such a cond's
+    # index is batched, and JAX runs every branch on every device (a select).
+    return None if analysis.branches_per_device else variance
 
 
 def closed_over_constants(body: Callable, plan: Plan, in_tree, flat_args: Sequence,
@@ -133,6 +136,10 @@ class _Analysis:
         self._logical = logical   # physical (vmap) name -> logical name
         self._shared = shared
         self._mesh_axes = mesh_axes or {}   # logical name -> its mesh axes (if any)
+        # Set when a cond/switch whose index varies along a name on mesh axes
+        # holds a collective across those axes: without a vmap level the
+        # devices would take different branches, and the collective deadlock.
+        self.branches_per_device = False
 
     def run(self, jaxpr: Jaxpr, in_names: Sequence[Names],
             const_names: Names = Names()) -> list[Names]:
@@ -272,7 +279,12 @@ class _Analysis:
 
     def _cond(self, eqn, ins):
         index, operands = ins[0], ins[1:]
-        results = [self.run(_open(branch), operands) for branch in eqn.params["branches"]]
+        branches = [_open(branch) for branch in eqn.params["branches"]]
+        results = [self.run(branch, operands) for branch in branches]
+        varying = {m for n in index for m in self._mesh_axes.get(n, ())}
+        if varying and any(m in varying for _, names in self._collectives(branches)
+                           for n in names for m in self._mesh_axes.get(n, ())):
+            self.branches_per_device = True
         return [index.union(*per_branch) for per_branch in zip(*results)]
 
     # -- names and checks ----------------------------------------------------

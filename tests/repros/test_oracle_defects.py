@@ -208,3 +208,36 @@ def test_o06_grad_of_a_16_bit_replicated_input_on_part_of_a_mesh(dtype):
         assert g.dtype == dtype
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(wanted, np.float32),
                                    rtol=2e-2, atol=2e-2)
+
+
+# --- o07 (found here, in the composed oracle's n=8 group): a per-position
+# cond/switch around a collective, the name on mesh axes alone ------------------
+
+
+@pytest.mark.parametrize("wrapper", ["cond", "switch"])
+def test_o07_per_position_branch_around_a_collective_on_mesh_axes_alone(wrapper):
+    """A name carried by mesh axes alone ran without a vmap level, so each
+    device took its own branch and the collective in one branch deadlocked
+    (XLA:CPU aborts after a 40 s rendezvous; a hang on GPU/TPU). Such a body
+    keeps a vmap level: the index is batched and every branch runs (a select)."""
+    x = jnp.arange(32, dtype=jnp.float32).reshape(8, 4)
+    branches = [lambda u: nx.psum(u, "a"), lambda u: u * 2, lambda u: nx.pmax(u, "a") - u]
+
+    def body(v):
+        if wrapper == "cond":
+            return lax.cond(nx.axis_index("a") % 2 == 0, branches[0], branches[1], v)
+        return lax.switch(nx.axis_index("a") % 3, branches, v)
+
+    want = np.asarray(nx.xmap(body, [["a", ...]], ["a", ...])(x))
+    reference = [np.where(np.arange(8)[:, None] % 2 == 0, x.sum(0), 2 * x),
+                 np.stack([[x.sum(0), 2 * x[i], x.max(0) - x[i]][i % 3] for i in range(8)])]
+    np.testing.assert_allclose(want, reference[wrapper == "switch"])
+    for shape, names, resource in [((8,), ("x",), "x"), ((2, 4), ("x", "y"), ("x", "y"))]:
+        with jax.set_mesh(_mesh(shape, names)):
+            f = nx.xmap(body, [["a", ...]], ["a", ...], axis_resources={"a": resource})
+            np.testing.assert_allclose(np.asarray(f(x)), want)
+            grad = jax.grad(lambda x: jnp.sum(f(x) ** 2))(x)
+        np.testing.assert_allclose(
+            np.asarray(grad),
+            np.asarray(jax.grad(lambda x: jnp.sum(nx.xmap(body, [["a", ...]], ["a", ...])(x) ** 2))(x)),
+            rtol=1e-5)
