@@ -1,0 +1,223 @@
+"""The composed oracle: named ops inside control flow (scan, fori, while with
+uniform and per-position trip counts, cond, switch, map), remat with policies,
+custom_jvp / custom_vjp / custom_linear_solve, nested xmaps; every dtype
+(f32, bf16, f16, complex64, int32, bool); named sizes 8, 1, 0 and positional
+sizes 4, 1, 0; placements on none, whole meshes, part of a mesh, size-1 mesh
+axes, serial loops and mixtures. Each case is one program x placement x
+transformation (forward, grad outside, grad inside, jvp, jacfwd), compared
+with the positional reference written without nxops (tests/oracle/_reference.py).
+
+Programs: tests/oracle/_composed.py; running and comparing: tests/oracle/_runner.py.
+Explore one placement with every case (known defects included):
+    python -m tests.oracle._runner N D PLACEMENT SEED COUNT
+
+Known defects are listed in KNOWN_DEFECTS below: their cases are left out of
+the main tests and run as one strict xfail test per defect, which starts
+passing (and so fails as XPASS) once the defect is fixed: then delete its entry.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import subprocess
+import sys
+
+import hypothesis
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+
+from tests.oracle import _composed as C
+from tests.oracle import _runner as run
+
+_COLLECTIVE_OPS = frozenset(o for o, op in C.OPS.items() if op.collective)
+_DERIVATIVES = frozenset({"grad_outside", "grad_inside", "jvp", "jacfwd"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Defect:
+    """The cases a defect breaks: a case matches when each given field does
+    (ops / wrappers: the program uses one of them)."""
+    ops: frozenset = None
+    wrappers: frozenset = None
+    dtypes: frozenset = None
+    sizes: frozenset = None                 # the named size
+    positional_sizes: frozenset = None      # the per-position size
+    placements: object = None               # ids, or a predicate on run.Placement
+    transforms: frozenset = None            # run.TRANSFORMS and "refusal"
+    crashes: bool = False                   # aborts the process: checked in a subprocess
+
+    def matches(self, program, transform, placement, n, d):
+        def has(field, values):
+            return field is None or bool(set(values) & field)
+        return (has(self.ops, program.ops) and has(self.wrappers, program.wrappers)
+                and has(self.dtypes, [program.dtype]) and has(self.sizes, [n])
+                and has(self.positional_sizes, [d])
+                and has(self.transforms, [transform]) and _placed(self, placement))
+
+
+def _placed(defect, placement):
+    if defect.placements is None:
+        return True
+    if callable(defect.placements):
+        return defect.placements(placement)
+    return placement.id in defect.placements
+
+
+def _f(*values):
+    return frozenset(values)
+
+
+def _on_mesh(placement):
+    return placement.on_mesh
+
+
+def _inner_on_mesh(placement):
+    return placement.mesh is not None and any(
+        r in placement.mesh[1] for v in placement.inner.values()
+        for r in (v if isinstance(v, tuple) else (v,)))
+
+
+def _on_part_of_mesh(placement):
+    """The name is on mesh axes, and the mesh has other axes or size-1 ones."""
+    if not placement.on_mesh:
+        return False
+    used = {r for v in placement.resources.values()
+            for r in (v if isinstance(v, tuple) else (v,))}
+    return any(a not in used or size == 1 for size, a in zip(*placement.mesh[:2]))
+
+
+# The defects this oracle finds that are known and being fixed (repro ids of
+# ../shared/repros/). Delete an entry once its fix is merged (its xfail test
+# then passes); the cases return to the main tests.
+KNOWN_DEFECTS = {
+    "r01": Defect(ops=_f("tile_w"), transforms=_f("grad_inside")),
+    "r02": Defect(ops=_f("prod_zero"), transforms=_DERIVATIVES),
+    "r03": Defect(ops=_f("einsum_angle", "einsum_curly", "einsum_three", "pdot"), dtypes=_f("bool"),
+                  placements=_on_mesh),
+    "r04": Defect(ops=_f("all_to_all_replicated"), placements=lambda p: not p.on_mesh),
+    "r06": Defect(wrappers=_f("while_per_position"), ops=_COLLECTIVE_OPS, placements=_on_mesh,
+                  transforms=_f("refusal")),
+    "r08": Defect(ops=_COLLECTIVE_OPS, dtypes=_f("bf16", "f16"), placements=_on_part_of_mesh,
+                  crashes=True),
+    "r16": Defect(ops=_f("logsumexp", "psum_scatter_bool"), dtypes=_f("c64", "bool"),
+                  placements=_on_mesh),
+    # new: a result of per-position size 0 on a mesh cannot be read (JAX: reshard of a
+    # zero-size array; tests/oracle/README.md)
+    "o01": Defect(positional_sizes=_f(0), placements=_on_mesh),
+    # zero sizes (issue 20): max/min over no positions raise jnp's ValueError, not an
+    # NxopsError; the transpose of all_gather/untile over a size-0 name divides by zero
+    "z_max": Defect(ops=frozenset(C.NO_IDENTITY), sizes=_f(0), transforms=_f("refusal")),
+    "z_gather_grad_inside": Defect(ops=_f("all_gather", "untile"), sizes=_f(0),
+                                   transforms=_f("grad_inside")),
+    "z_gather_on_mesh": Defect(ops=_f("all_gather", "untile"), sizes=_f(0), placements=_on_mesh),
+    # new (report of helper "oracle"): ppermute over a size-0 name on a mesh: IndexError
+    "o02": Defect(ops=_f("ppermute_cycle", "ppermute_partial"), sizes=_f(0), placements=_on_mesh),
+    # new: grad outside of an einsum/pdot contraction over a size-0 name on a mesh, inside
+    # map/cond/loops/linear_solve: "'func.call' op expected at least one operand of
+    # @xla.sdy.manual_computation_body to be produced by a xla.sdy.GlobalToLocalShape"
+    "o03": Defect(ops=_f("einsum_angle", "einsum_curly", "einsum_three", "pdot"),
+                  wrappers=_f("map", "cond", "switch", "fori", "scan", "linear_solve"),
+                  sizes=_f(0), placements=_on_mesh, transforms=_f("grad_outside")),
+    # new: a nested xmap whose inner name is on a mesh axis: closing over an outer value
+    # raises JAX's NotImplementedError ("Closing over inputs to shard_map ... Explicit
+    # axes"), and its result is typed sharded, so out[0] raises ShardingTypeError
+    "o04": Defect(wrappers=_f("nested_xmap"), placements=_inner_on_mesh),
+    "r07": Defect(wrappers=_f("custom_jvp", "custom_vjp"),
+                  transforms=_f("grad_outside", "jvp", "jacfwd")),
+}
+
+PROFILE = os.environ.get("NXOPS_ORACLE_PROFILE", "ci")
+_NO_SHRINK = (hypothesis.Phase.explicit, hypothesis.Phase.reuse, hypothesis.Phase.generate)
+hypothesis.settings.register_profile("composed_ci", max_examples=1, derandomize=True,
+                                     deadline=None, print_blob=True, phases=_NO_SHRINK)
+hypothesis.settings.register_profile("composed_local", max_examples=10, deadline=None,
+                                     print_blob=True, phases=_NO_SHRINK)
+SETTINGS = hypothesis.settings.get_profile(f"composed_{PROFILE}")
+
+# (named size, positional size, programs per example, placement ids or None for all)
+GROUPS = [
+    (8, 4, 40, None),
+    (8, 1, 16, ("none", "part_of_mesh", "size1_mesh_axis", "mesh_and_loop")),
+    (8, 0, 12, ("none", "mesh8", "loop2")),
+    (1, 4, 16, None),
+    (0, 4, 16, None),
+]
+
+
+def _known(program, transform, placement, n, d):
+    return [rid for rid, k in KNOWN_DEFECTS.items()
+            if k.matches(program, transform, placement, n, d)]
+
+
+def _placements(n, ids):
+    return [p for p in run.PLACEMENTS[n] if ids is None or p.id in ids]
+
+
+@pytest.mark.parametrize("n,d,count,placement_ids", GROUPS,
+                         ids=[f"n{g[0]}_d{g[1]}" for g in GROUPS])
+@SETTINGS
+@hypothesis.given(seed=st.integers(0, 2**31 - 1))
+def test_composed_programs_match_the_reference(n, d, count, placement_ids, seed):
+    programs = C.draw_programs(np.random.default_rng(seed), count, n, list(C.DTYPES))
+    group = run.Group(programs, n, d, seed % 2**16)
+    unknown = lambda p, t, pl: not _known(p, t, pl, n, d)
+    failures = [f for placement in _placements(n, placement_ids)
+                for f in run.check_placement(group, placement, selected=unknown)]
+    assert not failures, f"seed {seed}: {len(failures)} failures:\n" + "\n".join(failures)
+
+
+def check_defect(rid: str, seed: int) -> list[str]:
+    """Every case the defect matches, over the sizes, dtypes, ops and wrappers it names."""
+    defect = KNOWN_DEFECTS[rid]
+    rng = np.random.default_rng(seed)
+    failures = []
+    for n, d, count, _ in GROUPS:
+        if defect.sizes is not None and n not in defect.sizes:
+            continue
+        placements = [p for p in run.PLACEMENTS[n] if _placed(defect, p)]
+        if not placements or (defect.positional_sizes or {4}).isdisjoint({d}):
+            continue
+        dtypes = sorted(defect.dtypes or C.DTYPES)
+        programs = C.draw_programs(rng, min(count, 8), n, dtypes,
+                                   wrappers=sorted(defect.wrappers) if defect.wrappers else None,
+                                   ops=sorted(defect.ops) if defect.ops else None)
+        group = run.Group(programs, n, d, seed % 2**16)
+        selected = lambda p, t, pl: defect.matches(p, t, pl, n, d)
+        for placement in placements:
+            failures += run.check_placement(group, placement, selected=selected,
+                                            counts=KNOWN_DEFECT_COUNTS)
+    return failures
+
+
+KNOWN_DEFECT_COUNTS = collections.Counter()   # cases of known defects that passed
+
+
+@pytest.mark.parametrize("rid", [pytest.param(r, marks=pytest.mark.xfail(strict=True, reason=r))
+                                 for r in KNOWN_DEFECTS])
+@SETTINGS
+@hypothesis.given(seed=st.integers(0, 2**31 - 1))
+def test_known_defect_still_fails(rid, seed):
+    """Strict xfail: passes (XPASS, a failure) once the defect is fixed."""
+    if KNOWN_DEFECTS[rid].crashes:     # an abort would take the whole session with it
+        done = subprocess.run([sys.executable, "-m", "tests.oracle.test_oracle_composed",
+                               rid, str(seed)], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, f"{rid} (exit {done.returncode}):\n{done.stdout[-3000:]}" \
+                                     f"\n{done.stderr[-2000:]}"
+        return
+    failures = check_defect(rid, seed)
+    assert not failures, f"{rid}: {len(failures)} failures:\n" + "\n".join(failures)
+
+
+def test_composed_case_counts():
+    """Runs after the oracle (same module): the ci profile checks >= 2000 cases."""
+    total = run.COUNTS.get("total", 0)
+    if PROFILE == "ci" and total:
+        assert total >= 2000, f"the ci profile must check at least 2000 cases, got {total}"
+
+
+if __name__ == "__main__":      # a crashing defect's cases, in their own process
+    found = check_defect(sys.argv[1], int(sys.argv[2]))
+    print("\n".join(found) or "ok")
+    sys.exit(1 if found else 0)
