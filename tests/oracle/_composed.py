@@ -134,7 +134,7 @@ OPS: dict[str, Op] = {
     "all_to_all_negative": Op("fcib", True, lambda x, y, w, k, n, M: _wsum(M.all_to_all(
         M.all_gather(x, n) * y, n, -2, -2, tiled=True))),
     "all_to_all_replicated": Op("fcib", True, lambda x, y, w, k, n, M: x + _wsum(M.all_to_all(
-        w.reshape(-1, x.shape[0]), n, 0, 0, tiled=True))),        # w does not vary along n
+        w.reshape(M.axis_size(n), -1), n, 0, 0, tiled=True))),   # w does not vary along n
     "ppermute_cycle": Op("fcib", True, lambda x, y, w, k, n, M: M.ppermute(
         x, n, _cycle(M.axis_size(n)))),
     "ppermute_partial": Op("fcib", True, lambda x, y, w, k, n, M: M.ppermute(

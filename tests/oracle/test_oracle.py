@@ -35,7 +35,7 @@ hypothesis.settings.register_profile("ci", max_examples=1, derandomize=True, dea
 hypothesis.settings.register_profile("local", max_examples=20, deadline=None, print_blob=True,
                                      phases=_NO_SHRINK)
 PROFILE = os.environ.get("NXOPS_ORACLE_PROFILE", "ci")
-PROGRAMS_PER_EXAMPLE = 48
+PROGRAMS_PER_EXAMPLE = 16   # the composed oracle (test_oracle_composed.py) shares the budget
 OP_NAMES = sorted(os.environ["NXOPS_ORACLE_OPS"].split(",")) if os.environ.get(
     "NXOPS_ORACLE_OPS") else sorted(P.OPS)
 
@@ -196,7 +196,8 @@ def test_oracle_case_counts(capsys):
         _print_counts()
     total = sum(COUNTS.values())
     if PROFILE == "ci" and not os.environ.get("NXOPS_ORACLE_OPS"):
-        assert total >= 2000, f"the ci profile must check at least 2000 cases, got {total}"
+        # its share: with the composed oracle the ci profile checks >= 2000 cases
+        assert total >= 600, f"the ci profile must check at least 600 cases, got {total}"
 
 
 def _print_counts():
