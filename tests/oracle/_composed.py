@@ -284,7 +284,7 @@ class Program:
             if not REVERSE_MODE_UNSUPPORTED & set(self.wrappers):
                 out += ["grad_outside", "grad_inside"]
             if not FORWARD_MODE_UNSUPPORTED & set(self.wrappers):
-                out += ["jvp", "jacfwd"]
+                out += ["jvp"]         # with jacfwd
         return out
 
 

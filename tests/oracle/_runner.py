@@ -23,7 +23,8 @@ import nxops as nx
 from tests.oracle import _composed as C
 from tests.oracle import _reference as R
 
-TRANSFORMS = ("forward", "grad_outside", "grad_inside", "jvp", "jacfwd")
+# "jvp" also takes jacfwd (along three random directions) in the same jitted program
+TRANSFORMS = ("forward", "grad_outside", "grad_inside", "jvp")
 COUNTS: collections.Counter = collections.Counter()   # "category:value" -> cases checked
 
 
@@ -143,20 +144,22 @@ def run_transform(transform, fn, d, key):
             return sum(jnp.sum(jnp.real(o * c).astype(jnp.float32)) for o, c in zip(outs, d["CX"]))
         return jax.jit(jax.grad(loss, argnums=(0, 1)))(d["X"], d["W"])
     if transform == "jvp":
-        return jax.jit(lambda X, W, TX, TW: jax.jvp(lambda X, W: fn(X, d["Y"], W, key), (X, W),
-                                                    (TX, TW))[1])(d["X"], d["W"], d["TX"], d["TW"])
-    if transform == "jacfwd":
-        def along(z):
-            Xs = tuple(X + jnp.tensordot(z, B, 1).astype(X.dtype) for X, B in zip(d["X"], d["B"]))
-            return fn(Xs, d["Y"], d["W"], key)
-        return jax.jit(jax.jacfwd(along))(jnp.zeros(3, jnp.float32))
+        def forward_mode(X, W, TX, TW):
+            f = lambda X, W: fn(X, d["Y"], W, key)
+            tangents = jax.jvp(f, (X, W), (TX, TW))[1]
+
+            def along(z):    # jacfwd: a vmap of jvp over the directions
+                return f(tuple(x + jnp.tensordot(z, b, 1).astype(x.dtype)
+                               for x, b in zip(X, d["B"])), W)
+            return tangents, jax.jacfwd(along)(jnp.zeros(3, jnp.float32))
+        return jax.jit(forward_mode)(d["X"], d["W"], d["TX"], d["TW"])
     raise ValueError(transform)
 
 
 def _per_program(transform, result, count):
-    if transform == "grad_outside":
-        gx, gw = result
-        return [(gx[i], gw[i]) for i in range(count)]
+    if transform in ("grad_outside", "jvp"):
+        first, second = result
+        return [(first[i], second[i]) for i in range(count)]
     return list(result)
 
 
@@ -303,15 +306,17 @@ def _check_batch(group, idx, placement, transform, counts):
 
 
 def _count(counts, transform, placement, program, group):
-    counts[f"transform:{transform}"] += 1
-    counts[f"placement:{placement.id}"] += 1
-    counts[f"dtype:{program.dtype}"] += 1
-    counts[f"size:n={group.n},d={group.d}"] += 1
-    for w in program.wrappers:
-        counts[f"wrapper:{w}"] += 1
-    for op in set(program.ops):
-        counts[f"op:{op}"] += 1
-    counts["total"] += 1
+    checks = ["jvp", "jacfwd"] if transform == "jvp" else [transform]   # one program, both
+    for check in checks:
+        counts[f"transform:{check}"] += 1
+        counts[f"placement:{placement.id}"] += 1
+        counts[f"dtype:{program.dtype}"] += 1
+        counts[f"size:n={group.n},d={group.d}"] += 1
+        for w in program.wrappers:
+            counts[f"wrapper:{w}"] += 1
+        for op in set(program.ops):
+            counts[f"op:{op}"] += 1
+        counts["total"] += 1
 
 
 def _short(e, limit=300):

@@ -1,4 +1,17 @@
-"""Prints the oracles' case counts per category at the end of the session."""
+"""Prints the oracles' case counts per category and each test's CPU time at
+the end of the session (CPU time, not wall time: CI machines are shared)."""
+import time
+
+import pytest
+
+_CPU_SECONDS = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    start = time.process_time()
+    yield
+    _CPU_SECONDS[item.nodeid.split("::", 1)[-1]] = time.process_time() - start
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -6,3 +19,7 @@ def pytest_terminal_summary(terminalreporter):
     if _runner.COUNTS:
         terminalreporter.write_sep("-", "composed oracle case counts")
         terminalreporter.write_line(_runner.format_counts())
+    if _CPU_SECONDS:
+        terminalreporter.write_sep("-", "oracle CPU seconds per test")
+        for name, seconds in sorted(_CPU_SECONDS.items(), key=lambda kv: -kv[1]):
+            terminalreporter.write_line(f"  {seconds:7.1f}  {name}")
