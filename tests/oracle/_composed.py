@@ -282,7 +282,9 @@ class Program:
         out = ["forward"]
         if self.dtype in DIFFERENTIABLE:
             if not REVERSE_MODE_UNSUPPORTED & set(self.wrappers):
-                out += ["grad_outside", "grad_inside"]
+                out += ["grad_inside"]
+                if "custom_vjp" not in self.wrappers:   # JAX: the bwd of a custom_vjp under
+                    out += ["grad_outside"]             # grad(vmap) loses the axis name
             if not FORWARD_MODE_UNSUPPORTED & set(self.wrappers):
                 out += ["jvp"]         # with jacfwd
         return out
