@@ -98,8 +98,6 @@ KNOWN_DEFECTS = {
     "r03": Defect(ops=_f("einsum_angle", "einsum_curly", "einsum_three", "pdot"), dtypes=_f("bool"),
                   placements=_on_mesh),
     "r04": Defect(ops=_f("all_to_all_replicated"), placements=lambda p: not p.on_mesh),
-    "r08": Defect(ops=_COLLECTIVE_OPS, dtypes=_f("bf16", "f16"), placements=_on_part_of_mesh,
-                  crashes=True),
     "r16": Defect(ops=_f("logsumexp", "psum_scatter_bool"), dtypes=_f("c64", "bool"),
                   placements=_on_mesh),
     # new (report of helper "oracle"): a result of per-position size 0 on a mesh cannot be
