@@ -80,15 +80,6 @@ def _inner_on_mesh(placement):
         for r in (v if isinstance(v, tuple) else (v,)))
 
 
-def _on_part_of_mesh(placement):
-    """The name is on mesh axes, and the mesh has other axes or size-1 ones."""
-    if not placement.on_mesh:
-        return False
-    used = {r for v in placement.resources.values()
-            for r in (v if isinstance(v, tuple) else (v,))}
-    return any(a not in used or size == 1 for size, a in zip(*placement.mesh[:2]))
-
-
 # The defects this oracle finds that are known and being fixed (repro ids of
 # ../shared/repros/). Delete an entry once its fix is merged (its xfail test
 # then passes); the cases return to the main tests.
