@@ -32,7 +32,6 @@ import pytest
 from tests.oracle import _composed as C
 from tests.oracle import _runner as run
 
-_COLLECTIVE_OPS = frozenset(o for o, op in C.OPS.items() if op.collective)
 _DERIVATIVES = frozenset({"grad_outside", "grad_inside", "jvp"})     # jvp: with jacfwd
 
 
