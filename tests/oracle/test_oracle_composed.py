@@ -108,6 +108,11 @@ KNOWN_DEFECTS = {
     "o03": Defect(ops=_f("einsum_angle", "einsum_curly", "einsum_three", "pdot"),
                   wrappers=_f("map", "cond", "switch", "fori", "scan", "linear_solve"),
                   sizes=_f(0), placements=_on_mesh, transforms=_f("grad_outside")),
+    # new (report of helper "oracle"): bool psum_scatter in checkpoint(cond_per_position(...)),
+    # no resources: "'func.call' op operand type mismatch: expected tensor<8x4xi1>, provided
+    # tensor<8x4xi32>" (lowering verifier); r16 is the same op on a mesh
+    "o05": Defect(ops=_f("psum_scatter_bool"), dtypes=_f("bool"),
+                  placements=lambda p: not p.on_mesh),
     # new (report of helper "oracle"): a nested xmap whose inner name is on a mesh axis: closing over an outer value
     # raises JAX's NotImplementedError ("Closing over inputs to shard_map ... Explicit
     # axes"), and its result is typed sharded, so out[0] raises ShardingTypeError
