@@ -376,7 +376,8 @@ def draw_programs(rng: np.random.Generator, count: int, n: int, dtypes: list[str
         first = wrapper_pool.pop()
         if first not in allowed_wrappers:
             first = str(rng.choice(allowed_wrappers))
-        others = [w for w in allowed_wrappers if w != "plain"]
+        others = [w for w in allowed_wrappers if w not in ("plain", first)]   # nested_xmap twice
+        # would shadow its own inner name
         chosen = (first,) if rng.random() < 0.7 or first == "plain" or not others else (
             first, str(rng.choice(others)))
         program = Program(chain, chosen, dtype, int(rng.integers(0, 3)))

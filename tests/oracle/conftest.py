@@ -15,10 +15,20 @@ def pytest_runtest_call(item):
 
 
 def pytest_terminal_summary(terminalreporter):
+    import sys
     from tests.oracle import _runner
+    straight = sys.modules.get("tests.oracle.test_oracle")
+    straight_total = sum(straight.COUNTS.values()) if straight else 0
     if _runner.COUNTS:
         terminalreporter.write_sep("-", "composed oracle case counts")
         terminalreporter.write_line(_runner.format_counts())
+    if straight_total:
+        terminalreporter.write_sep("-", "straight-line oracle case counts")
+        terminalreporter.write_line(straight.format_counts())
+    if _runner.COUNTS or straight_total:
+        composed = _runner.COUNTS.get("total", 0)
+        terminalreporter.write_line(f"oracle cases: {composed} composed + {straight_total} "
+                                    f"straight-line = {composed + straight_total}")
     if _CPU_SECONDS:
         terminalreporter.write_sep("-", "oracle CPU seconds per test")
         for name, seconds in sorted(_CPU_SECONDS.items(), key=lambda kv: -kv[1]):

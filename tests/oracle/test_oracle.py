@@ -6,8 +6,9 @@ A case is one program under one placement and one transformation. For speed,
 each hypothesis example draws a seed for a batch of programs (chains of 1-3
 ops that together use every op) and runs the batch as one xmap per
 (placement, transformation); every program keeps its own output and is
-compared on its own. Per-program gradients come from one jitted VJP called
-with a one-hot cotangent per program.
+compared on its own. Each program takes its own copy of x, so one jitted
+backward pass gives every program's gradient. The positional twins run once
+per example (jitted, one batch per transformation) and serve every placement.
 
 Profiles: ``ci`` (default, derandomized) and ``local`` (NXOPS_ORACLE_PROFILE=local,
 more examples). NXOPS_ORACLE_OPS=sum,psum restricts the ops drawn.
@@ -35,9 +36,11 @@ hypothesis.settings.register_profile("ci", max_examples=1, derandomize=True, dea
 hypothesis.settings.register_profile("local", max_examples=20, deadline=None, print_blob=True,
                                      phases=_NO_SHRINK)
 PROFILE = os.environ.get("NXOPS_ORACLE_PROFILE", "ci")
-PROGRAMS_PER_EXAMPLE = 16   # the composed oracle (test_oracle_composed.py) shares the budget
-OP_NAMES = sorted(os.environ["NXOPS_ORACLE_OPS"].split(",")) if os.environ.get(
-    "NXOPS_ORACLE_OPS") else sorted(P.OPS)
+PROGRAMS_PER_EXAMPLE = 32   # the composed oracle (test_oracle_composed.py) shares the budget
+STRAIGHT_LINE_FLOOR = 1200
+OP_NAMES_RESTRICTED = bool(os.environ.get("NXOPS_ORACLE_OPS"))
+OP_NAMES = sorted(os.environ["NXOPS_ORACLE_OPS"].split(",")) if OP_NAMES_RESTRICTED else sorted(
+    P.OPS)
 
 # (id, mesh shape and axis names or None, the axis name, axis_resources)
 PLACEMENTS = [
@@ -53,6 +56,7 @@ PLACEMENTS = [
 ]
 TRANSFORMS = ("forward", "forward_nan", "jit", "vmap", "grad_outside", "grad_inside")
 COUNTS: collections.Counter = collections.Counter()
+NAN_INPUTS = P.inputs(7, nan=True)
 
 def draw_programs(seed: int, count: int = PROGRAMS_PER_EXAMPLE) -> list[tuple[str, ...]]:
     """``count`` distinct chains of 1-3 ops; the ops cycle through a shuffled
@@ -89,10 +93,14 @@ def _xmap(programs, name, resources, inside_grad=False):
         bodies = [(lambda b: lambda x, y, k: jax.grad(lambda x: jnp.sum(b(x, y, k) * (y + 2)))(x))(b)
                   for b in bodies]
 
-    def body(x, y, key):
-        return tuple(b(x, y, key) for b in bodies)
-    return nx.xmap(body, ([name, ...], [name, ...], [...]), [[name, ...]] * len(programs),
-                   axis_resources=_resources(resources))
+    def body(xs, y, key):     # each program its own x: one backward pass gives every gradient
+        return tuple(b(x, y, key) for b, x in zip(bodies, xs))
+    return nx.xmap(body, (tuple([name, ...] for _ in programs), [name, ...], [...]),
+                   [[name, ...]] * len(programs), axis_resources=_resources(resources))
+
+
+def _each(programs, X):
+    return (X,) * len(programs)
 
 
 def _close(got, want, what):
@@ -100,47 +108,61 @@ def _close(got, want, what):
                                equal_nan=True, err_msg=what)
 
 
-def _check_forward(programs, f, X, Y, key, tag, wrap=lambda f: f):
-    got = wrap(f)(X, Y, key)
-    for ops, out in zip(programs, got):
-        _close(out, P.positional_program(ops)(X, Y, key), f"{tag} {ops}")
+def _check_forward(programs, f, X, Y, key, tag, want, wrap=lambda f: f):
+    got = wrap(f)(_each(programs, X), Y, key)
+    for ops, out, w in zip(programs, got, want):
+        _close(out, w, f"{tag} {ops}")
         COUNTS[tag] += 1
 
 
-def _check_vmap(programs, f, X, Y, key, tag):
-    X2 = jnp.stack([X, X[::-1] * 0.9])
-    got = jax.vmap(f, in_axes=(0, None, None))(X2, Y, key)
-    for ops, out in zip(programs, got):
-        want = jax.vmap(P.positional_program(ops), in_axes=(0, None, None))(X2, Y, key)
-        _close(out, want, f"{tag} {ops}")
+def _vmap_input(X):
+    return jnp.stack([X, X[::-1] * 0.9])
+
+
+def _check_vmap(programs, f, X, Y, key, tag, want):
+    got = jax.vmap(f, in_axes=(0, None, None))(_each(programs, _vmap_input(X)), Y, key)
+    for ops, out, w in zip(programs, got, want):
+        _close(out, w, f"{tag} {ops}")
         COUNTS[tag] += 1
 
 
-def _per_program_grads(fn, n_outputs, X, Y, key):
-    out, vjp = jax.vjp(lambda X: fn(X, Y, key), X)
-    vjp = jax.jit(vjp)
-    cots = [jnp.zeros_like(o) for o in out]
-    grads = []
-    for i in range(n_outputs):
-        ct = list(cots)
-        ct[i] = jax.device_put(Y + 2.0, out[i].sharding)   # position-dependent; typed like out
-        (g,) = vjp(tuple(ct))
-        grads.append(g)
-    return grads
+def _per_program_grads(fn, programs, X, Y, key):
+    """Every program's gradient (with a position-dependent cotangent) from one
+    jitted backward pass: each program has its own copy of X."""
+    def loss(Xs):
+        return sum(jnp.sum(out * (Y + 2.0)) for out in fn(Xs, Y, key))
+    return jax.jit(jax.grad(loss))(_each(programs, X))
 
 
-def _check_grad_outside(programs, f, X, Y, key, tag):
-    got = _per_program_grads(f, len(programs), X, Y, key)
-    for ops, g in zip(programs, got):
-        want = jax.grad(lambda X: jnp.sum(P.positional_program(ops)(X, Y, key) * (Y + 2.0)))(X)
-        _close(g, want, f"{tag} {ops}")
+def _check_grad_outside(programs, f, X, Y, key, tag, want):
+    got = _per_program_grads(f, programs, X, Y, key)
+    for ops, g, w in zip(programs, got, want):
+        _close(g, w, f"{tag} {ops}")
         COUNTS[tag] += 1
 
 
-def _run_placement(programs, placement, data, reference_inside):
+def _references(programs, data, data_nan):
+    """The positional twins' results, once per example (every placement must
+    give them): one jitted batch per transformation."""
+    positional = [P.positional_program(ops) for ops in programs]
+
+    def forward(X, Y, key):
+        return tuple(p(X, Y, key) for p in positional)
+
+    def grads(X, Y, key):
+        return tuple(jax.grad(lambda X, p=p: jnp.sum(p(X, Y, key) * (Y + 2.0)))(X)
+                     for p in positional)
+    X, Y, key = data
+    return {"forward": jax.jit(forward)(*data), "forward_nan": jax.jit(forward)(*data_nan),
+            "vmap": jax.jit(jax.vmap(forward, in_axes=(0, None, None)))(_vmap_input(X), Y, key),
+            "grad_outside": jax.jit(grads)(*data)}
+
+
+def _run_placement(programs, placement, data, reference_inside, refs):
     pid, mesh_spec, name, resources = placement
     X, Y, key = data
     mesh = _mesh(mesh_spec)
+    every = programs
     looped = any("loop2" in (v if isinstance(v, tuple) else (v,)) for v in resources.values())
     context = jax.set_mesh(mesh) if mesh is not None else _nullcontext()
     with context:
@@ -148,19 +170,19 @@ def _run_placement(programs, placement, data, reference_inside):
             refused = [p for p in programs if P.uses_collectives(p)]
             for ops in refused:
                 with pytest.raises(nx.NxopsError, match="serial loop"):
-                    _xmap([ops], name, resources)(X, Y, key)
+                    _xmap([ops], name, resources)((X,), Y, key)
                 COUNTS[f"refused:{pid}"] += 1
             programs = [p for p in programs if not P.uses_collectives(p)]
             if not programs:
                 return
+        want = {t: [w for p, w in zip(every, refs[t]) if p in programs] for t in refs}
         f = _xmap(programs, name, resources)
-        _check_forward(programs, f, X, Y, key, f"forward:{pid}")
-        Xn, Yn, keyn = P.inputs(7, nan=True)
-        _check_forward(programs, f, Xn, Yn, keyn, f"forward_nan:{pid}")
-        _check_forward(programs, f, X, Y, key, f"jit:{pid}", wrap=jax.jit)
-        _check_vmap(programs, f, X, Y, key, f"vmap:{pid}")
-        _check_grad_outside(programs, f, X, Y, key, f"grad_outside:{pid}")
-        inside = _xmap(programs, name, resources, inside_grad=True)(X, Y, key)
+        _check_forward(programs, f, X, Y, key, f"forward:{pid}", want["forward"])
+        _check_forward(programs, f, *NAN_INPUTS, f"forward_nan:{pid}", want["forward_nan"])
+        _check_forward(programs, f, X, Y, key, f"jit:{pid}", want["forward"], wrap=jax.jit)
+        _check_vmap(programs, f, X, Y, key, f"vmap:{pid}", want["vmap"])
+        _check_grad_outside(programs, f, X, Y, key, f"grad_outside:{pid}", want["grad_outside"])
+        inside = _xmap(programs, name, resources, inside_grad=True)(_each(programs, X), Y, key)
         for ops, got in zip(programs, inside):
             _close(got, reference_inside[ops], f"grad_inside:{pid} {ops}")
             COUNTS[f"grad_inside:{pid}"] += 1
@@ -176,7 +198,8 @@ class _nullcontext:
 
 def _grad_inside_reference(programs, data):
     """jax.grad inside the body with no resources: what every placement must give."""
-    out = _xmap(programs, "a", {}, inside_grad=True)(*data)
+    X, Y, key = data
+    out = _xmap(programs, "a", {}, inside_grad=True)(_each(programs, X), Y, key)
     return dict(zip(programs, out))
 
 
@@ -186,8 +209,9 @@ def test_resources_never_change_results(seed):
     programs = draw_programs(seed)
     data = P.inputs(seed % 2**16)
     reference_inside = _grad_inside_reference(programs, data)
+    refs = _references(programs, data, NAN_INPUTS)
     for placement in PLACEMENTS:
-        _run_placement(programs, placement, data, reference_inside)
+        _run_placement(programs, placement, data, reference_inside, refs)
 
 
 def test_oracle_case_counts(capsys):
@@ -195,16 +219,24 @@ def test_oracle_case_counts(capsys):
     with capsys.disabled():
         _print_counts()
     total = sum(COUNTS.values())
-    if PROFILE == "ci" and not os.environ.get("NXOPS_ORACLE_OPS"):
-        # its share: with the composed oracle the ci profile checks >= 2000 cases
-        assert total >= 600, f"the ci profile must check at least 600 cases, got {total}"
+    if PROFILE == "ci" and not OP_NAMES_RESTRICTED:
+        # its share; both oracles together: test_oracle_composed.test_oracle_case_counts
+        assert total >= STRAIGHT_LINE_FLOOR, (
+            f"the ci profile must check at least {STRAIGHT_LINE_FLOOR} cases, got {total}")
+
+
+def format_counts():
+    """Cases per transformation and per placement (the conftest prints it)."""
+    by = {"transform": collections.Counter(), "placement": collections.Counter()}
+    for key, n in COUNTS.items():
+        transform, placement = key.split(":")
+        by["transform"][transform] += n
+        by["placement"][placement] += n
+    lines = [f"straight-line oracle: {sum(COUNTS.values())} cases"]
+    lines += [f"  {cat}: " + ", ".join(f"{k}={v}" for k, v in sorted(c.items()))
+              for cat, c in by.items()]
+    return "\n".join(lines)
 
 
 def _print_counts():
-    by_transform = collections.Counter()
-    for key, n in COUNTS.items():
-        by_transform[key.split(":")[0]] += n
-    total = sum(COUNTS.values())
-    print(f"\noracle cases: {total} ({dict(sorted(by_transform.items()))})")
-    for key, n in sorted(COUNTS.items()):
-        print(f"  {key}: {n}")
+    print("\n" + format_counts())
