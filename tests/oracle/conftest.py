@@ -15,9 +15,8 @@ def pytest_runtest_call(item):
 
 
 def pytest_terminal_summary(terminalreporter):
-    import sys
     from tests.oracle import _runner
-    straight = sys.modules.get("tests.oracle.test_oracle")
+    straight = _runner.straight_line_module()
     straight_total = sum(straight.COUNTS.values()) if straight else 0
     if _runner.COUNTS:
         terminalreporter.write_sep("-", "composed oracle case counts")
