@@ -36,8 +36,8 @@ hypothesis.settings.register_profile("ci", max_examples=1, derandomize=True, dea
 hypothesis.settings.register_profile("local", max_examples=20, deadline=None, print_blob=True,
                                      phases=_NO_SHRINK)
 PROFILE = os.environ.get("NXOPS_ORACLE_PROFILE", "ci")
-PROGRAMS_PER_EXAMPLE = 36   # the composed oracle (test_oracle_composed.py) shares the budget
-STRAIGHT_LINE_FLOOR = 1400
+PROGRAMS_PER_EXAMPLE = 40   # the composed oracle (test_oracle_composed.py) shares the budget
+STRAIGHT_LINE_FLOOR = 1600
 OP_NAMES_RESTRICTED = bool(os.environ.get("NXOPS_ORACLE_OPS"))
 OP_NAMES = sorted(os.environ["NXOPS_ORACLE_OPS"].split(",")) if OP_NAMES_RESTRICTED else sorted(
     P.OPS)
