@@ -21,7 +21,6 @@ import numpy as np
 from jax import lax
 
 import nxops as nx
-from tests.oracle import _reference as R
 
 CLOSED_KEY = jax.random.key(42)     # a key closed over by the body
 
