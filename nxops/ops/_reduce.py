@@ -11,6 +11,7 @@ then reduced by one XLA collective over all of them.
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 import operator
 
@@ -130,8 +131,10 @@ def _extremum_tangent(x, t, y, axes, axis_names, op):
     x, reduced = _positional_view(x, axes, axis_names)
     t, _ = _positional_view(t, axes, axis_names)
     kept = [a for a in range(x.ndim) if a not in reduced]
-    flat_x = jnp.transpose(x, (*reduced, *kept)).reshape((-1, *y.shape))
-    flat_t = jnp.transpose(t, (*reduced, *kept)).reshape((-1, *y.shape))
+    # the leading size spelled out: -1 cannot be inferred where y has size 0
+    flat = (math.prod(x.shape[a] for a in reduced), *y.shape)
+    flat_x = jnp.transpose(x, (*reduced, *kept)).reshape(flat)
+    flat_t = jnp.transpose(t, (*reduced, *kept)).reshape(flat)
     return _leading_extremum_tangent(flat_x, flat_t, y, op)
 
 

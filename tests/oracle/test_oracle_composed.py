@@ -77,11 +77,6 @@ def _on_mesh(placement):
     return placement.on_mesh
 
 
-def _part_of_mesh(placement):
-    """On a mesh, leaving some of its axes out (size-1 ones count)."""
-    return placement.on_mesh and not set(placement.mesh[1]) <= set(placement._each())
-
-
 def _on_several_mesh_axes(placement):
     return placement.mesh is not None and not placement.looped and len(
         [r for r in placement._each() if r in placement.mesh[1]]) >= 2
@@ -95,35 +90,14 @@ def _position_query_in_custom_jvp(program):
         {"switch", "cond", "switch_per_position", "cond_per_position"} & set(inner))
 
 
-def _inner_on_mesh(placement):
-    return placement.mesh is not None and any(
-        r in placement.mesh[1] for v in placement.inner.values()
-        for r in (v if isinstance(v, tuple) else (v,)))
-
-
 # The defects this oracle finds that are known and being fixed (repro ids of
 # ../shared/repros/). Delete an entry once its fix is merged (its xfail test
 # then passes); the cases return to the main tests.
 KNOWN_DEFECTS = {
-    # new (report of helper "oracle"): a result of per-position size 0 on a mesh cannot be
-    # read: "could not broadcast input array from shape (8,0) into shape (1,0)" (inherited
-    # from jax.sharding.reshard of a zero-size array under jit)
-    "o01": Defect(positional_sizes=_f(0), placements=_on_mesh, examples=(
-        C.Program(("einsum_angle", "all_gather", "logsumexp"), ("custom_jvp", "fori"), "f16", 0),
-        C.Program(("pmax", "all_to_all"), ("checkpoint_nothing_saveable",), "f16", 0))),
     # zero sizes (issue 20): the transpose of all_gather/untile over a size-0 name divides by zero
     "z_gather_grad_inside": Defect(ops=_f("all_gather", "untile"), sizes=_f(0),
                                    transforms=_f("grad_inside")),
     "z_gather_on_mesh": Defect(ops=_f("all_gather", "untile"), sizes=_f(0), placements=_on_mesh),
-    # new (report of helper "oracle"): a nested xmap whose inner name is on a mesh axis: closing over an outer value
-    # raises JAX's NotImplementedError ("Closing over inputs to shard_map ... Explicit
-    # axes"), and its result is typed sharded, so out[0] raises ShardingTypeError
-    "o04": Defect(wrappers=_f("nested_xmap"), placements=_inner_on_mesh, check_programs=3),
-    # new (report of helper "oracle"): grad outside w.r.t. a replicated bf16 input of a name on
-    # part of a mesh (or a size-1 mesh axis) aborts XLA:CPU ("Invalid binary instruction opcode
-    # copy": the cotangent's bf16 psum over the name's mesh axes; r08's f32 detour misses it)
-    "o06": Defect(ops=_f("mul_w", "tile_w", "all_to_all_replicated"), dtypes=_f("bf16"),
-                  placements=_part_of_mesh, transforms=_f("grad_outside"), crashes=True),
     # new (report of helper "oracle"): custom_jvp around a named einsum, name on several mesh
     # axes (no vmap level), grad outside or jvp: "nx.einsum '{a}i,{a}i->i': axis name 'a' is
     # not bound here (bound names: x, y)" (r07's message, on the whole (2, 4) mesh)

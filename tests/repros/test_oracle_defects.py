@@ -241,3 +241,22 @@ def test_o07_per_position_branch_around_a_collective_on_mesh_axes_alone(wrapper)
             np.asarray(grad),
             np.asarray(jax.grad(lambda x: jnp.sum(nx.xmap(body, [["a", ...]], ["a", ...])(x) ** 2))(x)),
             rtol=1e-5)
+
+
+# --- o10: the max/min tangent where the result has size 0 ---------------------
+
+
+@pytest.mark.parametrize("op", ["pmax", "max"])
+@pytest.mark.parametrize("resources", [{}, {"a": "x"}])
+def test_o10_extremum_grad_inside_of_a_per_position_size_0_value(op, resources):
+    """The tie-mask tangent reshaped to (-1, *result shape): -1 cannot be
+    inferred when the result has size 0 (ZeroDivisionError, found by the
+    composed oracle: checkpoint[pmax, all_to_all] at per-position size 0)."""
+    reduce = (lambda u: nx.pmax(u, "a")) if op == "pmax" else (lambda u: nx.max(u, "a"))
+
+    def body(v):
+        return jax.grad(lambda v: jnp.sum(reduce(v) * 3.0))(v)
+    x = jnp.zeros((8, 0), jnp.float32)
+    with jax.set_mesh(_mesh((8,), ("x",))):
+        got = np.asarray(nx.xmap(body, [["a", ...]], ["a", ...], axis_resources=resources)(x))
+    assert got.shape == (8, 0) and got.dtype == np.float32
