@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import inspect
 
+from jax import lax
+
 # Primitive machinery (ops/_primitive.py): the impl of a primitive through
 # dispatch, abstract evaluation by tracing the reference, and the debug info
 # that tracing wants. Public alternative: none for custom primitives with
@@ -148,6 +150,28 @@ def enclosing_batch_axes() -> list[tuple[object, int]]:
             found.append((axis_data.name, axis_data.size))
         trace = getattr(trace, "parent_trace", None)
     return found
+
+
+def axis_index_at_vmap_level(name) -> object | None:
+    """``lax.axis_index(name)`` computed at the trace of the vmap level named
+    ``name`` (an iota there), or None where no such level is on the trace stack.
+
+    A lazily traced ``custom_jvp``/``custom_vjp`` rule (see
+    :func:`enclosing_batch_axes`) runs inside its vmap levels but not their
+    axis environment: a ``lax.axis_index`` staged into a jaxpr there (a
+    ``lax.cond``/``switch`` branch) is refused when that jaxpr is checked or
+    transformed ("unbound axis name"). Made at the level, the index enters the
+    branch as a closed-over value instead. Private: ``set_current_trace``,
+    ``parent_trace`` and ``axis_data``.
+    """
+    set_trace = getattr(core, "set_current_trace", None)
+    trace = getattr(core, "unsafe_get_current_trace", lambda: None)()
+    while trace is not None and set_trace is not None:
+        if getattr(getattr(trace, "axis_data", None), "name", None) == name:
+            with set_trace(trace):
+                return lax.axis_index(name)
+        trace = getattr(trace, "parent_trace", None)
+    return None
 
 
 def pin_constant(value, aval) -> object | None:

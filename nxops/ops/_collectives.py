@@ -21,6 +21,7 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from nxops._jax import axis_index_at_vmap_level as _axis_index_at_vmap_level
 from nxops._jax import mesh_lib as _mesh
 from nxops._errors import NxopsError
 from nxops import kernels as _kernels
@@ -386,13 +387,21 @@ def axis_index(axis_name: AxisNames) -> jax.Array:
     names = tuple(p.physical for p in parts)
     # Physical axes only: one lax.axis_index (over several names it asks the
     # axis environment for sizes, which a lazily traced custom rule lacks).
-    if all(p.index is None for p in parts) and (len(names) == 1 or _axis_env.bound_here(names)):
+    if all(p.index is None for p in parts) and _axis_env.bound_here(names):
         return lax.axis_index(_one_or_tuple(names))
     index = jnp.int32(0)
     for part in parts:
-        here = lax.axis_index(part.physical) if part.index is None else part.index
+        here = _physical_axis_index(part.physical) if part.index is None else part.index
         index = index * part.size + here.astype(jnp.int32)
     return index
+
+
+def _physical_axis_index(name) -> jax.Array:
+    if not _axis_env.bound_here((name,)):   # a lazily traced custom rule: see TileAxisName
+        at_level = _axis_index_at_vmap_level(name)
+        if at_level is not None:
+            return at_level
+    return lax.axis_index(name)
 
 
 def axis_size(axis_name: AxisNames) -> int:

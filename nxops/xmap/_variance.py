@@ -98,8 +98,9 @@ def _analyze(body, plan: Plan, in_tree, flat_args, flat_specs, shared) -> list[N
     analysis = _Analysis(logical, shared, mesh_axes)
     variance = analysis.run(jaxpr.jaxpr, [Names(s.axis_names) for s in flat_specs])
     # None: every name then gets a vmap level, under which such a cond's
-    # index is batched, and JAX runs every branch on every device (a select).
-    return None if analysis.branches_per_device else variance
+    # index is batched, and JAX runs every branch on every device (a select);
+    # and a lazily traced custom rule finds the names from the levels.
+    return None if analysis.branches_per_device or analysis.has_lazy_rule else variance
 
 
 def closed_over_constants(body: Callable, plan: Plan, in_tree, flat_args: Sequence,
@@ -127,6 +128,10 @@ def _trace_per_instance(body, plan: Plan, in_tree, flat_args, flat_specs) -> Clo
         return jax.make_jaxpr(flat_body, axis_env=axis_env)(*avals)
 
 
+# custom_vjp_call_jaxpr: the name before JAX 0.5
+_CUSTOM_RULE_PRIMITIVES = {"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
+
+
 class _Analysis:
     """Propagates, equation by equation, the logical names each variable of a
     jaxpr varies along, and raises at the first pair sharing a resource."""
@@ -140,6 +145,11 @@ class _Analysis:
         # holds a collective across those axes: without a vmap level the
         # devices would take different branches, and the collective deadlock.
         self.branches_per_device = False
+        # Set when the body holds a custom_jvp/custom_vjp: JAX traces its rule
+        # lazily (under an outer grad/jvp), after xmap's context is gone, and
+        # the rule's named ops find their names only from vmap levels
+        # (_axis_env.TileAxisName), so every name needs one.
+        self.has_lazy_rule = False
 
     def run(self, jaxpr: Jaxpr, in_names: Sequence[Names],
             const_names: Names = Names()) -> list[Names]:
@@ -185,6 +195,8 @@ class _Analysis:
             return self._while(eqn, ins)
         if name == "cond":
             return self._cond(eqn, ins)
+        if name in _CUSTOM_RULE_PRIMITIVES:
+            self.has_lazy_rule = True
         sub = [_open(j) for j in _sub_jaxprs(params)]
         if len(sub) == 1 and len(sub[0].invars) == len(ins) and len(sub[0].outvars) == n_out:
             return self.run(sub[0], ins)   # jit, checkpoint, custom_jvp/vjp, shard_map, ...

@@ -77,19 +77,6 @@ def _on_mesh(placement):
     return placement.on_mesh
 
 
-def _on_several_mesh_axes(placement):
-    return placement.mesh is not None and not placement.looped and len(
-        [r for r in placement._each() if r in placement.mesh[1]]) >= 2
-
-
-def _position_query_in_custom_jvp(program):
-    if "custom_jvp" not in program.wrappers:
-        return False
-    inner = program.wrappers[program.wrappers.index("custom_jvp") + 1:]
-    return bool({"prod_zero", "axis_index"} & set(program.ops)) and bool(
-        {"switch", "cond", "switch_per_position", "cond_per_position"} & set(inner))
-
-
 # The defects this oracle finds that are known and being fixed (repro ids of
 # ../shared/repros/). Delete an entry once its fix is merged (its xfail test
 # then passes); the cases return to the main tests.
@@ -98,19 +85,6 @@ KNOWN_DEFECTS = {
     "z_gather_grad_inside": Defect(ops=_f("all_gather", "untile"), sizes=_f(0),
                                    transforms=_f("grad_inside")),
     "z_gather_on_mesh": Defect(ops=_f("all_gather", "untile"), sizes=_f(0), placements=_on_mesh),
-    # new (report of helper "oracle"): custom_jvp around a named einsum, name on several mesh
-    # axes (no vmap level), grad outside or jvp: "nx.einsum '{a}i,{a}i->i': axis name 'a' is
-    # not bound here (bound names: x, y)" (r07's message, on the whole (2, 4) mesh)
-    "o08": Defect(wrappers=_f("custom_jvp"), ops=_f("einsum_angle", "einsum_curly", "einsum_three"),
-                  placements=_on_several_mesh_axes, transforms=_f("grad_outside", "jvp"),
-                  check_programs=3),
-    # new (report of helper "oracle"): custom_jvp around lax.switch/cond whose branch calls
-    # nx.axis_index (prod_zero), grad outside or jvp, on every placement: JAX's raw
-    # "NameError: Found an unbound axis name: a" (or a#tile), or "nx.psum: axis name 'a' is
-    # not bound here" on the whole mesh (custom_jvp[prod_zero] and custom_jvp∘switch[psum] pass)
-    "o09": Defect(wrappers=_f("custom_jvp"), transforms=_f("grad_outside", "jvp"),
-                  programs=_position_query_in_custom_jvp,
-                  examples=(C.Program(("prod_zero",), ("custom_jvp", "switch"), "f16", 0),)),
 }
 
 PROFILE = os.environ.get("NXOPS_ORACLE_PROFILE", "ci")

@@ -1,6 +1,8 @@
 """Regression tests of the defects the composed oracle found (issue 20, o01-o05):
 each is a small positional program with nxops, read with np.asarray, checked
 against NumPy or the positional JAX program (jax.vmap with axis_name)."""
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -260,3 +262,70 @@ def test_o10_extremum_grad_inside_of_a_per_position_size_0_value(op, resources):
     with jax.set_mesh(_mesh((8,), ("x",))):
         got = np.asarray(nx.xmap(body, [["a", ...]], ["a", ...], axis_resources=resources)(x))
     assert got.shape == (8, 0) and got.dtype == np.float32
+
+
+# --- o08, o09: named ops inside a jax.custom_jvp, grad outside or jvp ---------
+# JAX traces the custom rule lazily, under the outer grad/jvp, after xmap's
+# context is gone: the rule's ops find the names only from xmap's vmap levels.
+
+_CUSTOM_JVP_PLACEMENTS = [(None, None), ((8,), {"a": "x"}), ((2, 4), {"a": ("x", "y")}),
+                          ((4,), {"a": "x"})]   # (mesh shape, axis_resources); (4,): tile 2
+
+
+def _as_custom_jvp(g):
+    f = jax.custom_jvp(g)
+    f.defjvp(lambda primals, tangents: jax.jvp(g, primals, tangents))
+    return f
+
+
+def _check_grad_outside_and_jvp(body, reference, args, mesh_shape, resources):
+    """``body`` under nx.xmap (every arg and the result named 'a' on dim 0)
+    against ``reference`` under jax.vmap(axis_name='a'): values, jax.grad of
+    the sum (by the first arg) and jax.jvp."""
+    specs = [["a", ...]] * len(args)
+    loss = lambda f: lambda x, *rest: jnp.sum(jnp.sin(f(x, *rest)))   # noqa: E731
+    tangents = tuple(jnp.cos(a) for a in args)
+    ref = jax.vmap(reference, axis_name="a")
+    want = [ref(*args), jax.grad(loss(ref))(*args), jax.jvp(ref, args, tangents)[1]]
+    f = nx.xmap(body, specs, ["a", ...], axis_resources=resources or {})
+    names = ("x", "y")[:len(mesh_shape)] if mesh_shape else None
+    with jax.set_mesh(_mesh(mesh_shape, names)) if mesh_shape else contextlib.nullcontext():
+        got = [np.asarray(f(*args)), np.asarray(jax.grad(loss(f))(*args)),
+               np.asarray(jax.jvp(f, args, tangents)[1])]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mesh_shape,resources", _CUSTOM_JVP_PLACEMENTS)
+def test_o09_custom_jvp_around_a_switch_whose_branch_asks_its_position(mesh_shape, resources):
+    """The switch branch staged lax.axis_index into a jaxpr that JAX checked
+    against an axis environment without xmap's names (NameError: unbound
+    axis name 'a' / 'a#tile'); on mesh axes alone the name had no vmap level
+    at all ("nx.psum: axis name 'a' is not bound here")."""
+    x = (jnp.arange(16, dtype=jnp.float32).reshape(8, 2) + 1) / 8
+
+    def branch(index, prod):
+        return lambda u: u * prod(u * (index() != 0).astype(u.dtype)) + jnp.sin(u) * index()
+
+    def program(index, prod, uniform_one):
+        g = lambda v: lax.switch(uniform_one(), [lambda u: u[::-1], branch(index, prod)], v)   # noqa: E731
+        return g
+
+    body = _as_custom_jvp(program(lambda: nx.axis_index("a"), lambda u: nx.prod(u, "a"),
+                                  lambda: nx.psum(jnp.int32(1), "a") // 8))
+    reference = program(lambda: lax.axis_index("a"),
+                        lambda u: jnp.prod(lax.all_gather(u, "a"), axis=0),
+                        lambda: lax.psum(jnp.int32(1), "a") // 8)
+    _check_grad_outside_and_jvp(body, reference, (x,), mesh_shape, resources)
+
+
+@pytest.mark.parametrize("mesh_shape,resources", _CUSTOM_JVP_PLACEMENTS[1:])
+def test_o08_custom_jvp_around_a_named_einsum_on_mesh_axes(mesh_shape, resources):
+    """A name on mesh axes alone had no vmap level, so the lazily traced rule's
+    einsum could not find it ("nx.einsum '{a}i,{a}i->i': axis name 'a' is not
+    bound here"). A body holding a custom rule keeps a vmap level per name."""
+    x = (jnp.arange(16, dtype=jnp.float32).reshape(8, 2) + 1) / 8
+    y = jnp.cos(x)
+    body = _as_custom_jvp(lambda x, y: nx.einsum("{a}i,{a}i->i", x, y) + x)
+    reference = lambda x, y: lax.psum(x * y, "a") + x   # noqa: E731
+    _check_grad_outside_and_jvp(body, reference, (x, y), mesh_shape, resources)
