@@ -100,7 +100,7 @@ def _analyze(body, plan: Plan, in_tree, flat_args, flat_specs, shared) -> list[N
     # None: every name then gets a vmap level, under which such a cond's
     # index is batched, and JAX runs every branch on every device (a select);
     # and a lazily traced custom rule finds the names from the levels.
-    return None if analysis.branches_per_device or analysis.has_lazy_rule else variance
+    return None if analysis.branches_per_device or analysis.named_op_in_custom_rule else variance
 
 
 def closed_over_constants(body: Callable, plan: Plan, in_tree, flat_args: Sequence,
@@ -145,11 +145,12 @@ class _Analysis:
         # holds a collective across those axes: without a vmap level the
         # devices would take different branches, and the collective deadlock.
         self.branches_per_device = False
-        # Set when the body holds a custom_jvp/custom_vjp: JAX traces its rule
-        # lazily (under an outer grad/jvp), after xmap's context is gone, and
-        # the rule's named ops find their names only from vmap levels
-        # (_axis_env.TileAxisName), so every name needs one.
-        self.has_lazy_rule = False
+        # Set when a custom_jvp/custom_vjp of the body holds a named op: JAX
+        # traces its rule lazily (under an outer grad/jvp), after xmap's
+        # context is gone, and the rule's named ops find their names only from
+        # vmap levels (_axis_env.TileAxisName), so every name needs one.
+        self.named_op_in_custom_rule = False
+        self._custom_rule_depth = 0
 
     def run(self, jaxpr: Jaxpr, in_names: Sequence[Names],
             const_names: Names = Names()) -> list[Names]:
@@ -172,6 +173,10 @@ class _Analysis:
     def _eqn(self, eqn, ins: list[Names]) -> list[Names]:
         name, params = eqn.primitive.name, eqn.params
         n_out = len(eqn.outvars)
+        named = named_axes_effect(eqn.primitive, params)
+        if self._custom_rule_depth and (name in _LAX_COLLECTIVES or name == "axis_index"
+                                        or named is not None):
+            self.named_op_in_custom_rule = True
         if name in _LAX_COLLECTIVES:
             param, effect = _LAX_COLLECTIVES[name]
             axes = self._names(params[param])
@@ -183,7 +188,6 @@ class _Analysis:
             return [union - axes if effect == "drop" else union | axes] * n_out
         if name == "axis_index":
             return [self._names(params["axis_name"])] * n_out
-        named = named_axes_effect(eqn.primitive, params)
         if named is not None:   # nxops primitives: names in params (ops/_named_params.py)
             axes, drops = self._names(named[0]), named[1]
             union = Names().union(*ins)
@@ -196,7 +200,15 @@ class _Analysis:
         if name == "cond":
             return self._cond(eqn, ins)
         if name in _CUSTOM_RULE_PRIMITIVES:
-            self.has_lazy_rule = True
+            self._custom_rule_depth += 1
+            try:
+                return self._eqn_with_sub_jaxprs(eqn, ins)
+            finally:
+                self._custom_rule_depth -= 1
+        return self._eqn_with_sub_jaxprs(eqn, ins)
+
+    def _eqn_with_sub_jaxprs(self, eqn, ins: list[Names]) -> list[Names]:
+        params, n_out = eqn.params, len(eqn.outvars)
         sub = [_open(j) for j in _sub_jaxprs(params)]
         if len(sub) == 1 and len(sub[0].invars) == len(ins) and len(sub[0].outvars) == n_out:
             return self.run(sub[0], ins)   # jit, checkpoint, custom_jvp/vjp, shard_map, ...
