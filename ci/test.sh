@@ -9,7 +9,5 @@ NXOPS_EXTRAS=test,compile,triton source "$(dirname "$0")/_venv.sh"
 if [ "$#" -gt 0 ]; then
   exec python -m pytest -q "$@"
 fi
-# Two worker processes (pytest-xdist), a file per worker: the machine's two
-# cores stay busy when the other CI stack is done (NXOPS_TEST_WORKERS=0: one process).
-python -m pytest tests -q -n "${NXOPS_TEST_WORKERS:-2}" --dist loadfile
+python -m pytest tests -q
 python -m pytest bench -q --benchmark-disable -k "not medium and not large"

@@ -1,14 +1,34 @@
-"""Records each oracle test's CPU time for the summary at the end of the
-session (tests/oracle/_summary.py, printed by tests/conftest.py)."""
+"""Prints the oracles' case counts per category and each test's CPU time at
+the end of the session (CPU time, not wall time: CI machines are shared)."""
 import time
 
 import pytest
 
-from tests.oracle import _summary
+_CPU_SECONDS = {}
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
     start = time.process_time()
     yield
-    _summary.CPU_SECONDS[item.nodeid.split("::", 1)[-1]] = time.process_time() - start
+    _CPU_SECONDS[item.nodeid.split("::", 1)[-1]] = time.process_time() - start
+
+
+def pytest_terminal_summary(terminalreporter):
+    from tests.oracle import _runner
+    straight = _runner.straight_line_module()
+    straight_total = sum(straight.COUNTS.values()) if straight else 0
+    if _runner.COUNTS:
+        terminalreporter.write_sep("-", "composed oracle case counts")
+        terminalreporter.write_line(_runner.format_counts())
+    if straight_total:
+        terminalreporter.write_sep("-", "straight-line oracle case counts")
+        terminalreporter.write_line(straight.format_counts())
+    if _runner.COUNTS or straight_total:
+        composed = _runner.COUNTS.get("total", 0)
+        terminalreporter.write_line(f"oracle cases: {composed} composed + {straight_total} "
+                                    f"straight-line = {composed + straight_total}")
+    if _CPU_SECONDS:
+        terminalreporter.write_sep("-", "oracle CPU seconds per test")
+        for name, seconds in sorted(_CPU_SECONDS.items(), key=lambda kv: -kv[1]):
+            terminalreporter.write_line(f"  {seconds:7.1f}  {name}")

@@ -190,8 +190,7 @@ def test_known_defect_still_fails(rid, seed):
 
 
 CI_FLOOR = 2000          # cases of both oracles together in the ci profile
-COMPOSED_FLOOR = 300     # this file's share: with test_oracle.py's 1700, CI_FLOOR
-# (under pytest-xdist the two files may run in different processes: each checks its share)
+COMPOSED_FLOOR = 300     # this file's share, checked when it runs alone
 
 
 def test_oracle_case_counts():
