@@ -464,9 +464,13 @@ def _narrowed_dtype(x, pspec, axis_names: frozenset):
     aborts too). The casts are exact and linear: the sum runs in f32."""
     if x.dtype not in CPU_UNSAFE_DTYPES or _mesh_platform() != "cpu":   # (or a PRNG key)
         return None
-    used = {a for entry in pspec if entry is not None
-            for a in ((entry,) if isinstance(entry, str) else entry)}
+    used = {a for entry in pspec for a in _entry_axes(entry)}
     return x.dtype if axis_names - used else None
+
+
+def _entry_axes(entry) -> tuple:
+    """The mesh axes of one PartitionSpec entry (None, an axis, or a tuple)."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _empty_global(x, pspec, mesh) -> jax.ShapeDtypeStruct | None:
@@ -478,6 +482,5 @@ def _empty_global(x, pspec, mesh) -> jax.ShapeDtypeStruct | None:
     entries = tuple(pspec) + (None,) * (x.ndim - len(pspec))
     shape = []
     for size, entry in zip(x.shape, entries):
-        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        shape.append(size * math.prod(mesh.shape[a] for a in axes))
+        shape.append(size * math.prod(mesh.shape[a] for a in _entry_axes(entry)))
     return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
