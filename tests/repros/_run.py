@@ -32,3 +32,23 @@ def run_repro(name: str, *argv: str) -> str:
 
 def printed_lines(name: str, *argv: str) -> list[str]:
     return [line.strip() for line in run_repro(name, *argv).splitlines() if line.strip()]
+
+
+def exit_code_and_lines(name: str, *argv: str) -> tuple[int, list[str]]:
+    """Runs a repro that ends with ``sys.exit(code)``; returns the code and its
+    printed lines. JAX's global config (a repro may turn on x64) is restored."""
+    import jax
+    x64 = jax.config.jax_enable_x64
+    code = 0
+    out = io.StringIO()
+    saved_argv = sys.argv
+    sys.argv = [str(REPROS / name), *argv]
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(str(REPROS / name), run_name="__main__")
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    finally:
+        sys.argv = saved_argv
+        jax.config.update("jax_enable_x64", x64)
+    return code, [line.strip() for line in out.getvalue().splitlines() if line.strip()]
