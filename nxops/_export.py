@@ -9,6 +9,7 @@ from jax import export as jax_export
 from jax.sharding import AxisType, Mesh
 
 from nxops._jax import config as jax_config
+from nxops.kernels import _autotune
 from nxops._jax import mesh_lib
 
 # The custom calls nxops' own kernels lower to that jax.export does not allow
@@ -38,7 +39,8 @@ def export(fn: Callable, *args: Any, platforms: Sequence[str] | None = None,
     jitted = fn if hasattr(fn, "trace") else jax.jit(lambda *a: fn(*a))
     checks = tuple(export_kwargs.pop("disabled_checks", ())) + tuple(
         jax_export.DisabledSafetyCheck.custom_call(t) for t in NXOPS_KERNEL_CUSTOM_CALLS)
-    with _refinable_mesh(args):
+    # No autotuning: an artifact must not depend on this machine's timings.
+    with _refinable_mesh(args), _autotune.suppressed():
         return jax_export.export(jitted, platforms=platforms, disabled_checks=checks,
                                  **export_kwargs)(*args)
 

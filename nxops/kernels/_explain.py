@@ -8,7 +8,7 @@ import jax
 from jax.extend import core as jex_core
 
 from nxops._errors import NxopsError
-from nxops.kernels import _registry
+from nxops.kernels import _autotune, _registry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +62,8 @@ def explain(fn: Callable[..., Any], *args: Any, platform: str | None = None,
     ``"gpu"``) or ``"tpu"`` shows what would run there. Nothing is executed.
     """
     platform = _platform_name(platform or jax.default_backend())
-    with _registry.collect_reports(platform) as reports:
+    # Executes nothing, so no autotuning: it shows what the tables choose.
+    with _registry.collect_reports(platform) as reports, _autotune.suppressed():
         closed = jax.make_jaxpr(fn)(*args, **kwargs)
         # A fresh function object, so that no cached lowering skips the rules.
         fresh = jax.jit(lambda *flat: jex_core.jaxpr_as_fun(closed)(*flat))

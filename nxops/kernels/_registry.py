@@ -16,12 +16,12 @@ import contextvars
 import dataclasses
 import functools
 import itertools
-import math
 from typing import Any, Callable, Iterator, Sequence
 
 
 from nxops._jax import config as _jax_config
 from nxops._errors import NxopsError
+from nxops.kernels import _autotune, _measured
 
 # Positional ops that have kernels, grouped into the families that
 # NXOPS_KERNELS selects per op (``reduce=pallas,einsum=xla``).
@@ -37,10 +37,10 @@ BACKENDS: tuple[str, ...] = ("xla", "pallas", "triton")
 CHOICES: tuple[str, ...] = ("auto",) + BACKENDS
 PLATFORMS: tuple[str, ...] = ("cpu", "cuda", "rocm", "tpu")
 
-# Where `auto`'s rule (below) lets a kernel take a case, it tries these
-# backends in order on each platform; `xla` is always the last resort. On CPU
-# the Pallas/Triton kernels only run interpreted, which is for testing, never
-# faster: `auto` keeps XLA there.
+# Where `auto`'s rule (below) lets a kernel take a case on TPU, it tries these
+# backends in order; `xla` is always the last resort. On cuda the measured
+# table orders the backends (fastest first). On CPU the Pallas/Triton kernels
+# only run interpreted, which is for testing, never faster: `auto` keeps XLA.
 AUTO_PREFERENCE: dict[str, tuple[str, ...]] = {
     "cpu": ("xla",),
     "cuda": ("pallas", "triton", "xla"),
@@ -58,67 +58,34 @@ def auto_preference(op: str, platform: str) -> tuple[str, ...]:
 
 
 # ---------------------------------------------------------------------------
-# `auto`'s rule: a kernel only where the cost model says it wins
+# `auto`'s rule
 #
-# The evidence is `python -m bench.static.model` (bench/static/model.py, table
-# in bench/static/MODEL.md): each program compiled deviceless for H100/A100
-# (XLA's GPU compiler, dots as cuBLAS) and TPU v5e/v6e (libtpu) under `auto`
-# and under `xla`, its time estimated from what the compiled program launches
-# (per launch max(HBM bytes of its operands and results / bandwidth, dot
-# FLOPs / tensor peak), GPU launches with fewer CTAs than SMs slowed
-# accordingly, + a fixed cost per launch; never a kernel's declared cost).
+# On cuda: only what a GPU measured decides (nxops/kernels/_measured.py). The
+# table of the target's architecture (sm_90: H100, H200; seeded from an H200
+# run, ../shared/gpu_runs/ in the repository's history, rewritten by
+# `bash ci/gpu.sh`) gives each case's kernel time relative to XLA's. A kernel
+# takes the case only where its entry was measured at <= 0.95x XLA and its
+# source is unchanged since; stale, unmeasured, or a GPU with no table: XLA.
+# Why no model: the deviceless cost model (bench/static) predicted 0.46x for
+# rows logsumexp and 0.34x for column reductions; the H200 measured 0.95-1.76x
+# and 0.66-1.49x. XLA runs plain sums at 86-95% of HBM bandwidth.
+# With NXOPS_AUTOTUNE=1, a lowering on a real GPU times the candidates instead
+# (nxops/kernels/_autotune.py), once per case, GPU kind and nxops version.
 #
-# What it showed, and the rule that follows (per op, platform, case):
+# On every platform, a custom call cannot fuse its producer: where XLA would
+# fuse what made the operand into the op (an elementwise op, a convert, a
+# broadcast, a transpose), its fusion reads the producer's inputs once and a
+# kernel would add a write and a read of the operand (`nx.sum(jnp.exp(v) * w,
+# 1)`: 2x on the H200 too, 33.5 against 16.9 us). So a kernel takes a case
+# only where the operand is a program argument, a loop carry, or the result of
+# an op XLA never fuses into its consumer (a dot, a convolution, a custom
+# call, a collective, a reduce); a producer the lowering cannot see (the
+# argument of a nested function, e.g. a shard_map body) keeps XLA.
 #
-# - reduce, logsumexp over trailing axes ("rows"), on cuda and tpu: one pass
-#   over the operand against XLA's two (max, then sum of exp) and a third small
-#   kernel: 4096^2 bf16 modelled 12.0 µs against 26.1 on H100 (0.46), 42.0
-#   against 84.5 on v5e (0.50). But a custom call cannot fuse its producer:
-#   where the operand is made by an elementwise op (or anything XLA would fuse
-#   into the reduction: a convert, a broadcast, a transpose), XLA's fusion
-#   reads the producer's inputs once and the kernel would add a write and a
-#   read of the operand (`nx.sum(jnp.exp(v) * w, 1)`: 2.00 on H100 and v5e).
-#   So the kernel takes the case only where the operand is a program argument,
-#   a loop carry, or the result of an op XLA never fuses into a reduction (a
-#   dot, a convolution, a custom call, a collective, a reduce); anything else,
-#   or a producer the lowering cannot see (the argument of a nested function,
-#   e.g. a shard_map body), keeps XLA.
-# - reduce over a middle axis ("columns"), on cuda, with the same producer
-#   condition, where XLA's column reduction would leave SMs idle: it launches
-#   about one CTA per 128 kept columns per outer index (4096^2 bf16: 32 CTAs on
-#   132 SMs); the kernel splits the rows over 264 programs and a second small
-#   pass over the partials, itself in 16-column blocks so that it has 256
-#   programs (in 1024-column blocks it had 4: 13.2 µs of the then 25.6, 0.59):
-#   modelled 14.7 µs against 43.3 (0.34); 16384x4096 f32 logsumexp 0.48.
-#   Where XLA fills the SMs the kernel's second launch loses ((8, 3000, 4096)
-#   bf16 sum over 3000: 1.05), and under 8 MiB the second launch costs more
-#   than the idle SMs. On tpu it ties (42.0 / 42.0): XLA.
-# - reduce, every other case (sums, maxima over rows, all axes, permuted
-#   axes): XLA's reduction fusions make one pass too and fuse with their
-#   neighbours (layer norm over a named axis with kernels: 7.00 on H100, 3.28
-#   on v5e); no modelled win: XLA.
-# - einsum (dot_general), cuda: the Pallas matmul ties cuBLAS at best (same
-#   bytes and FLOPs). Decode shapes no longer leave SMs idle: their tiles
-#   narrow until one launch fills the SMs (8x4096x4096 bf16: 256 programs of
-#   16x16 on H100, modelled 12.1 µs = cuBLAS's 12.1, was 43.5 with 32
-#   programs; 128x4096x4096: 12.6 = 12.6, was 45.9; A100 likewise 1.00; the
-#   Triton kernel's split-K needs a second launch for its partials: 1.22 and
-#   1.95). A tie is no win, and XLA fuses around its dots where the kernel
-#   cannot (gelu epilogue 1.23, gradient transposes 1.15 on H100): XLA.
-# - einsum, tpu: the Mosaic matmul now takes each chip's least-traffic tile
-#   (pallas/dot_general.py, mosaic_matmul_tiles: by the traffic count within
-#   1.01-1.1x of the roofline for LLM shapes on v5e/v5p/v6e, where one 512^3
-#   tile was 1.3-3.5x). The model credits a Mosaic call one read of each
-#   operand, which these tiles achieve on decode shapes, and there it models
-#   wins (M = 8-512, K = N = 4096 bf16: 0.54-0.97 on v5e and v6e) only
-#   because XLA's program first copies the weight into VMEM (a cross-program
-#   prefetch) and the model charges that copy unoverlapped, a limit the model
-#   states; with a gelu epilogue 0.99 / 1.02; gradients' transposes 2.25 / 4.07:
-#   XLA, until a TPU measures the decode case.
-# - tile: XLA's dynamic slice reads only the tile; the kernel adds a launch for
-#   the index and reads its whole operand (2.42 on 4 H100s; a tie on v5e): XLA.
-# - collectives: not modelled (NCCL / ICI); XLA's are tuned: XLA.
-# - rocm: no ROCm target to compile for, nothing modelled: XLA.
+# On tpu (no TPU has measured nxops yet) the deviceless model's rule stands
+# (bench/static/MODEL.md): rows logsumexp of an unfused operand takes the
+# Pallas kernel (modelled 0.50 on v5e: one pass against XLA's two); everything
+# else keeps XLA. On rocm and cpu: XLA.
 #
 # An explicit `NXOPS_KERNELS=pallas` / `triton` (or op=backend) is obeyed as
 # before: the rule decides only `auto`.
@@ -137,89 +104,84 @@ UNFUSED_PRODUCERS = frozenset({
     "stablehlo.while", "stablehlo.case", "stablehlo.rng_bit_generator",
 })
 
-# The modelled figures quoted in `explain`'s "why" (bench/static/MODEL.md).
+# What `explain` says where no table decides (tpu's modelled figures from
+# bench/static/MODEL.md).
 EVIDENCE = {
-    "rows_logsumexp": "modelled kernel/xla 0.46 on H100, 0.50 on TPU v5e "
-                      "(4096^2 bf16: one pass against XLA's two)",
-    "columns": "XLA's column reduction would launch fewer CTAs than SMs: modelled "
-               "kernel/xla 0.34 on H100 (max over 4096 rows of 4096^2 bf16: 32 CTAs on "
-               "132 SMs; the kernel splits the rows over 264 programs, its second pass "
-               "over the partials 256)",
-    "fused_producer": "XLA fuses the operand's producer {producer} into its reduction "
+    "rows_logsumexp_tpu": "modelled kernel/xla 0.50 on TPU v5e (4096^2 bf16: one pass "
+                          "against XLA's two; no TPU has measured it yet)",
+    "fused_producer": "XLA fuses the operand's producer {producer} into its consumer "
                       "(a kernel would write and re-read the operand: sum(exp(v)*w) "
-                      "modelled 2.00 on H100)",
-    "reduce_other": "no modelled win: XLA's reduction fusion makes one pass and fuses "
-                    "with its neighbours (layer norm over a named axis: 7.0 on H100)",
-    "reduce_tpu": "no modelled win on TPU: XLA's fused reduction reads the operand once",
-    "einsum": "no modelled win: cuBLAS/XLA dots tie the kernel at best (8x4096x4096 "
-              "on H100: 1.00, its tiles narrowed to fill the SMs; was 3.61) and fuse "
-              "epilogues and transposes (gelu 1.23, grad 1.15 on H100)",
+                      "measured 1.98x XLA on an H200)",
+    "reduce_tpu": "no modelled win on TPU (nothing measured there): XLA's fused reduction reads the operand once",
     "einsum_tpu": "no modelled win on TPU but where XLA's weight prefetch is charged "
                   "unoverlapped (decode 8-512x4096x4096: 0.54-0.97 on v5e/v6e, a model "
                   "limit; gelu epilogue 1.02, grad 2.25 on v5e): XLA until measured",
-    "tile": "no modelled win: XLA's dynamic slice reads only the tile "
-            "(kernel 2.42 on 4 H100s)",
-    "collective": "not modelled (NCCL / ICI); XLA's collectives are kept",
+    "unknown_producer": "the operand's producer is not visible to the lowering (e.g. the "
+                        "argument of a nested function): XLA may fuse it into its consumer",
+    "collective": "collectives are not measured per case (NCCL / ICI); XLA's are kept",
     "cpu": "kernels run interpreted on cpu (for testing)",
-    "unmodelled": "no modelled win on {platform}",
+    "unmeasured_platform": "nothing measured on {platform}: XLA",
 }
 
-
-def _reduce_layout(aval, axes) -> str:
-    from nxops.kernels._layout import canonical_view
-    shape = tuple(getattr(aval, "shape", ()))
-    axes = tuple(sorted(a % len(shape) for a in axes)) if shape else ()
-    permutation, (_, _, inner) = canonical_view(shape, axes)
-    if permutation is None and axes:
-        return "rows" if inner == 1 else "columns"
-    return "other"
+# Candidates `auto` tries, best first: (backend, why).
+Candidates = tuple[tuple[str, str], ...]
 
 
-# XLA's column reduction launches about one CTA per 128 kept columns of each
-# outer index (4096^2: 32 CTAs); below the smallest SM count of the modelled
-# GPUs (A100: 108) it leaves SMs idle, which the split kernel fills. Below 8 MiB
-# the kernel's second launch costs more than the idle SMs (model: the kernel
-# wins where bytes / bandwidth x (SMs / CTAs - 1) exceeds one launch, 2 µs).
-_XLA_COLUMN_CTAS_PER = 128
-_FEWEST_SMS = 108
-_COLUMNS_MIN_BYTES = 8 << 20
-
-
-def _xla_columns_leave_sms_idle(aval, params) -> bool:
-    from nxops.kernels._layout import canonical_view
-    shape = tuple(aval.shape)
-    axes = tuple(sorted(a % len(shape) for a in params.get("axes", ())))
-    _, (outer, _, inner) = canonical_view(shape, axes)
-    nbytes = math.prod(shape) * getattr(getattr(aval, "dtype", None), "itemsize", 4)
-    xla_ctas = outer * -(-inner // _XLA_COLUMN_CTAS_PER)
-    return xla_ctas < _FEWEST_SMS and nbytes >= _COLUMNS_MIN_BYTES
+def _fused_producer(producers: Sequence[str] | None) -> str | None:
+    """The first operand producer XLA would fuse into the op (None: none)."""
+    for producer in producers or (UNKNOWN,):
+        if producer not in UNFUSED_PRODUCERS:
+            return producer
+    return None
 
 
 def auto_rule(op: str, platform: str, avals: Sequence[Any], params: dict,
-              producers: Sequence[str] | None) -> tuple[bool, str]:
-    """(whether `auto` lets a kernel take this case, why), from the cost model's
-    evidence (see the comment above)."""
+              producers: Sequence[str] | None) -> tuple[Candidates, str]:
+    """(the kernels `auto` may take for this case, best first, each with why;
+    why XLA otherwise). See the comment above."""
     family = OP_FAMILY[op]
     if platform == "cpu":
-        return False, EVIDENCE["cpu"]
-    if family == "einsum" and platform == "tpu":
-        return False, EVIDENCE["einsum_tpu"]
-    if family != "reduce":
-        return False, EVIDENCE.get(family, EVIDENCE["unmodelled"].format(platform=platform))
-    if platform not in ("cuda", "tpu"):
-        return False, EVIDENCE["unmodelled"].format(platform=platform)
-    layout = _reduce_layout(avals[0], params.get("axes", ()))
-    if layout == "rows" and params.get("op") == "logsumexp":
-        case = "rows_logsumexp"
-    elif layout == "columns" and platform == "cuda" and _xla_columns_leave_sms_idle(avals[0], params):
-        case = "columns"
+        return (), EVIDENCE["cpu"]
+    if family == "collective":
+        return (), EVIDENCE["collective"]
+    if platform == "cuda":
+        candidates, why = _measured_candidates(op, avals, params)
+    elif platform == "tpu":
+        candidates, why = _modelled_tpu_candidates(op, avals, params)
     else:
-        return False, EVIDENCE["reduce_other" if platform == "cuda" else "reduce_tpu"]
-    producer = (producers or (UNKNOWN,))[0]
-    if producer not in UNFUSED_PRODUCERS:
-        return False, EVIDENCE["fused_producer"].format(producer=producer)
-    return True, f"{case.replace('_', ' ')} of {'an' if producer == ARGUMENT else 'a'} " \
-        f"{producer}: {EVIDENCE[case]}"
+        return (), EVIDENCE["unmeasured_platform"].format(platform=platform)
+    producer = _fused_producer(producers)
+    if candidates and producer is not None:
+        return (), _producer_why(producer)
+    return candidates, why
+
+
+def _producer_why(producer: str) -> str:
+    if producer == UNKNOWN:
+        return EVIDENCE["unknown_producer"]
+    return EVIDENCE["fused_producer"].format(producer=producer)
+
+
+def _modelled_tpu_candidates(op: str, avals: Sequence[Any], params: dict
+                             ) -> tuple[Candidates, str]:
+    family = OP_FAMILY[op]
+    if family == "einsum":
+        return (), EVIDENCE["einsum_tpu"]
+    if family != "reduce":
+        return (), EVIDENCE["unmeasured_platform"].format(platform="tpu")
+    layout = _measured.reduce_layout(avals[0].shape, params.get("axes", ()))
+    if layout == "rows" and params.get("op") == "logsumexp":
+        return (("pallas", EVIDENCE["rows_logsumexp_tpu"]),), ""
+    return (), EVIDENCE["reduce_tpu"]
+
+
+def _measured_candidates(op: str, avals: Sequence[Any], params: dict) -> tuple[Candidates, str]:
+    from nxops.kernels import _gpu_target  # noqa: PLC0415  (imports jax's device state)
+    arch = _measured.arch_name(_gpu_target.compute_capability())
+    kernels = {b: k for (o, b), k in _KERNELS.items() if o == op and b != "xla"}
+    verdict = _measured.verdict(_measured.case_of(op, avals, params), arch, kernels)
+    return verdict.winners, verdict.why_xla
+
 
 NotSupportedReasons = Callable[..., Sequence[str]]
 
@@ -394,7 +356,8 @@ class Choice:
     kernel: Kernel
     requested: str
     passed_over: tuple[tuple[str, tuple[str, ...]], ...] = ()
-    why: str = ""   # `auto`'s reason (the modelled evidence)
+    why: str = ""   # `auto`'s reason (what was measured, or why XLA)
+    case: str = ""  # the measured tables' key of this case (_measured.Case.key; "" if none)
 
     def describe(self) -> str:
         text = f"{self.kernel.backend} (requested {self.requested}"
@@ -421,11 +384,21 @@ def _reasons(kernel: Kernel, platform: str, avals: Sequence[Any], params: dict,
 def choose(op: str, platform: str, selection: Selection, avals: Sequence[Any],
            auto_partitioned: bool = False, producers: Sequence[str] | None = None, /,
            **params: Any) -> Choice:
+    """The kernel that runs ``op`` for this case on ``platform`` (see
+    ``_choose``), with the case's key in the measured tables."""
+    choice = _choose(op, platform, selection, avals, auto_partitioned, producers, **params)
+    case = _measured.case_of(op, avals, params)
+    return dataclasses.replace(choice, case=case.key if case else "")
+
+
+def _choose(op: str, platform: str, selection: Selection, avals: Sequence[Any],
+            auto_partitioned: bool = False, producers: Sequence[str] | None = None, /,
+            **params: Any) -> Choice:
     """The kernel that runs ``op`` for this case on ``platform``.
 
-    ``auto`` keeps XLA unless ``auto_rule`` (the cost model's evidence) lets a
-    kernel take the case; then it takes the first backend of
-    ``auto_preference(op, platform)`` that is registered and supports the case.
+    ``auto`` keeps XLA unless ``auto_rule`` (on cuda: the measured table) lets
+    a kernel take the case; then it takes the first of its candidates that is
+    registered, loads and supports the case.
     An explicitly requested backend that cannot take the case raises NxopsError
     with its reasons. ``auto_partitioned`` says the op is lowered where XLA
     partitions some mesh axes automatically; ``producers`` says what made each
@@ -438,20 +411,7 @@ def choose(op: str, platform: str, selection: Selection, avals: Sequence[Any],
         return Choice(_KERNELS[(op, "xla")], requested,
                       ((requested, ("zero-size operands: nothing for a kernel to do",)),))
     if requested == "auto":
-        wins, why = auto_rule(op, platform, avals, params, producers)
-        if not wins:
-            return Choice(_KERNELS[(op, "xla")], requested, (), why)
-        passed_over = []
-        for backend in auto_preference(op, platform):
-            kernel = _KERNELS.get((op, backend))
-            if kernel is None:
-                continue
-            reasons = _reasons(kernel, platform, avals, params, auto_partitioned)
-            if not reasons:
-                return Choice(kernel, requested, tuple(passed_over), why if backend != "xla" else "")
-            passed_over.append((backend, reasons))
-        return Choice(_KERNELS[(op, "xla")], requested, tuple(passed_over))
-
+        return _choose_auto(op, platform, avals, auto_partitioned, producers, params)
     kernel = _KERNELS.get((op, requested))
     family = OP_FAMILY[op]
     if kernel is None:
@@ -470,6 +430,26 @@ def choose(op: str, platform: str, selection: Selection, avals: Sequence[Any],
             f"Use NXOPS_KERNELS={family}=auto to fall back to xla for such cases."
         )
     return Choice(kernel, requested)
+
+
+def _choose_auto(op: str, platform: str, avals: Sequence[Any], auto_partitioned: bool,
+                 producers: Sequence[str] | None, params: dict) -> Choice:
+    candidates, why_xla = auto_rule(op, platform, avals, params, producers)
+    if platform == "cuda" and not _fused_producer(producers) and _autotune.active(platform):
+        supported = [b for b in BACKENDS if (op, b) in _KERNELS and
+                     not _reasons(_KERNELS[(op, b)], platform, avals, params, auto_partitioned)]
+        backend, why = _autotune.winner(op, avals, params, supported)
+        return Choice(_KERNELS[(op, backend)], "auto", (), why)
+    passed_over = []
+    for backend, why in candidates:
+        kernel = _KERNELS.get((op, backend))
+        if kernel is None:
+            continue
+        reasons = _reasons(kernel, platform, avals, params, auto_partitioned)
+        if not reasons:
+            return Choice(kernel, "auto", tuple(passed_over), why)
+        passed_over.append((backend, reasons))
+    return Choice(_KERNELS[(op, "xla")], "auto", tuple(passed_over), why_xla)
 
 
 # ---------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from nxops._jax import (api_util, core, dispatch, lower_per_platform, pe, shardi
 from nxops._jax import config as jax_config
 from nxops._errors import NxopsError
 from nxops import kernels as _kernels
+from nxops.kernels import _autotune
 
 
 def selection_param() -> str:
@@ -55,8 +56,12 @@ def _lower_with_kernel(ctx, *args, registry_op: str, platform: str, naming_param
                          f"a named axis must be bound by an enclosing vmap, shard_map or xmap.")
     params = _kernel_params(params, naming_params)
     selection = _kernels.parse_selection(kernels)
-    choice = _kernels.choose(registry_op, platform, selection, ctx.avals_in,
-                              _is_auto_partitioned(ctx), _producers(args), **params)
+    devices = _lowering_devices(ctx)
+    # The target's GPU architecture picks the measured table; a real local GPU
+    # may be autotuned on (NXOPS_AUTOTUNE=1).
+    with _kernels.target_devices(devices), _autotune.lowering_for(devices):
+        choice = _kernels.choose(registry_op, platform, selection, ctx.avals_in,
+                                  _is_auto_partitioned(ctx), _producers(args), **params)
     _kernels.report(registry_op, choice, ctx.avals_in)
     fn = functools.partial(choice.kernel.fn, platform=platform, **params)
     # Kernels are local computations: trace them on plain avals (no sharding,
@@ -66,7 +71,7 @@ def _lower_with_kernel(ctx, *args, registry_op: str, platform: str, naming_param
     local_ctx = ctx.replace(avals_in=[_local_aval(a) for a in ctx.avals_in],
                             avals_out=[_local_aval(a) for a in ctx.avals_out],
                             name_stack=source_info_util.new_name_stack())
-    with _kernels.target_devices(_lowering_devices(ctx)):
+    with _kernels.target_devices(devices):
         with (jax.sharding.use_abstract_mesh(_kernels.kernel_mesh(platform)),
               jax_config._check_vma(False)):
             return mlir.lower_fun(fn, multiple_results=False)(local_ctx, *args)

@@ -89,7 +89,8 @@ def test_registry_choice(shape, dtype, platform, backend):
     else:
         with pytest.raises(NxopsError, match="cannot run this case"):
             _registry.choose("tile", platform, pallas, avals, dim=0, count=2)
-    # auto keeps XLA's dynamic slice: the cost model shows no win for the kernel
+    # auto keeps XLA's dynamic slice: no GPU measured the kernel winning
     auto = _registry.choose("tile", platform, _registry.parse_selection("auto"), avals,
                             dim=0, count=2)
-    assert auto.kernel.backend == "xla" and "no modelled win" in auto.describe()
+    why = {"cuda": "unmeasured on sm_90", "tpu": "nothing measured on tpu"}[platform]
+    assert auto.kernel.backend == "xla" and why in auto.describe()

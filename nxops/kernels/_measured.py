@@ -1,0 +1,275 @@
+"""What GPUs measured: the tables `auto` chooses kernels from on cuda.
+
+A table per GPU architecture (``measured/sm_90.json``: H100 and H200) maps a
+*case* (op, layout, reduce op, dtype, operand size bucket) to each backend's
+kernel time relative to XLA's in the same run, with the GPU, the date and the
+*version* of the kernel that was measured. ``bench/measured_table.py`` writes
+the tables (from a GPU run's JSON lines; ``ci/gpu.sh`` measures and rewrites
+them); nothing here runs on a GPU.
+
+A kernel's version is a hash of its source: the module that defines it and
+every ``nxops.kernels`` module it imports, transitively (the selection
+machinery and package ``__init__`` files excepted). Editing a kernel, or a
+file it comes to import, makes its own entries stale, and only its own.
+
+`auto` takes a kernel only where its entry is fresh and measured at
+``THRESHOLD`` of XLA's time or less; a stale or unmeasured case, or a GPU
+with no table, keeps XLA.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+import pathlib
+from typing import Any, Callable, Mapping, Sequence
+
+TABLE_DIR = pathlib.Path(__file__).parent / "measured"
+FORMAT = 1
+# A kernel must measure at most this fraction of XLA's time: run-to-run noise
+# on the same GPU was ~1-3%; a tie is no reason for a custom call, which XLA
+# cannot fuse with its neighbours.
+THRESHOLD = 0.95
+
+_PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[2]   # holds nxops/
+# Modules that select kernels rather than compute anything: not part of a version.
+_NOT_KERNEL_CODE = frozenset({
+    "nxops.kernels", "nxops.kernels._registry", "nxops.kernels._explain",
+    "nxops.kernels._measured", "nxops.kernels._autotune",
+})
+
+
+# --- cases ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """What the tables distinguish: ``op`` (the registry's), ``layout``,
+    ``reduce_op`` (reductions; else ""), ``dtype`` and ``bytes_log2``, the
+    operands' total size bucket ``[2**bytes_log2, 2**(bytes_log2 + 1))``."""
+
+    op: str
+    layout: str
+    reduce_op: str
+    dtype: str
+    bytes_log2: int
+
+    @property
+    def key(self) -> str:
+        return "/".join([self.op, self.layout, self.reduce_op or "-", self.dtype,
+                         f"2^{self.bytes_log2}B"])
+
+    def describe(self) -> str:
+        what = " ".join(w for w in (self.layout, self.reduce_op or self.op) if w)
+        return f"{what} {self.dtype}, {_size_text(self.bytes_log2)} operands"
+
+
+def _size_text(log2: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if log2 >= shift:
+            return f"{1 << (log2 - shift)}-{1 << (log2 + 1 - shift)} {unit}"
+    return f"{1 << log2}-{1 << (log2 + 1)} B"
+
+
+def _nbytes(aval) -> int:
+    return math.prod(aval.shape) * aval.dtype.itemsize
+
+
+def reduce_layout(shape: Sequence[int], axes: Sequence[int]) -> str:
+    """rows (trailing axes reduced), columns (a middle block), all, or other
+    (reduced axes not contiguous: the kernels permute first)."""
+    from nxops.kernels._layout import canonical_view  # noqa: PLC0415
+    shape = tuple(shape)
+    axes = tuple(sorted(a % len(shape) for a in axes)) if shape else ()
+    if shape and len(axes) == len(shape):
+        return "all"
+    permutation, (_, _, inner) = canonical_view(shape, axes)
+    if permutation is None and axes:
+        return "rows" if inner == 1 else "columns"
+    return "other"
+
+
+def _matmul_layout(a, b, dimension_numbers) -> str:
+    """matmul, batched, skinny (a free side of at most 128) or odd (a size
+    not a multiple of 128: XLA pads or picks other cuBLAS kernels)."""
+    (a_contract, b_contract), (a_batch, b_batch) = dimension_numbers
+    free = lambda shape, skip: math.prod(d for i, d in enumerate(shape) if i not in skip)  # noqa: E731
+    m = free(a.shape, (*a_contract, *a_batch))
+    n = free(b.shape, (*b_contract, *b_batch))
+    k = math.prod(a.shape[i] for i in a_contract)
+    if a_batch:
+        return "batched"
+    if min(m, n) <= 128:
+        return "skinny"
+    return "odd" if any(d % 128 for d in (m, n, k)) else "matmul"
+
+
+def case_of(op: str, avals: Sequence[Any], params: Mapping[str, Any]) -> Case | None:
+    """The table case of one op, or None where the tables say nothing of its kind."""
+    if not avals or any(not isinstance(d, int) for a in avals for d in getattr(a, "shape", ())):
+        return None
+    nbytes = sum(_nbytes(a) for a in avals)
+    if nbytes == 0:
+        return None
+    dtype = str(avals[0].dtype)
+    log2 = nbytes.bit_length() - 1
+    if op == "reduce":
+        layout = reduce_layout(avals[0].shape, params.get("axes", ()))
+        return Case(op, layout, str(params.get("op", "")), dtype, log2)
+    if op == "dot_general":
+        layout = _matmul_layout(avals[0], avals[1], params["dimension_numbers"])
+        return Case(op, layout, "", dtype, log2)
+    if op == "tile":
+        return Case(op, "tile", "", dtype, log2)
+    return None   # collectives: NCCL's, not measured per case
+
+
+# --- kernel versions --------------------------------------------------------------
+
+
+def _read_tree(module: str) -> str | None:
+    for path in (_PACKAGE_ROOT / (module.replace(".", "/") + ".py"),):
+        if path.is_file():
+            return path.read_text()
+    return None
+
+
+def _imports(module: str, source: str, exists: Callable[[str], bool]) -> set[str]:
+    """The ``nxops.kernels`` modules ``source`` imports (``from pkg import mod``
+    counts when ``mod`` is a module)."""
+    found = set()
+    package = module.rsplit(".", 1)[0]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]
+                                + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names if exists(f"{base}.{a.name}"))
+    return {m for m in found if m.startswith("nxops.kernels") and exists(m)}
+
+
+def version_of_module(module: str, read: Callable[[str], str | None] = _read_tree) -> str:
+    """A 12-hex-digit hash of ``module``'s source and of every kernel module it
+    imports, transitively. ``read(module)`` gives a module's source (None: not
+    a module): the working tree by default, or a git commit's."""
+    exists = functools.cache(lambda m: m not in _NOT_KERNEL_CODE and read(m) is not None)
+    seen: dict[str, str] = {}
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        if name in seen or not exists(name):
+            continue
+        seen[name] = read(name) or ""
+        todo.extend(_imports(name, seen[name], exists))
+    digest = hashlib.sha256()
+    for name in sorted(seen):
+        digest.update(f"{name}\n{seen[name]}\n".encode())
+    return digest.hexdigest()[:12]
+
+
+def kernel_module(kernel) -> str:
+    """The module that defines a registered kernel (its ``fn``'s, or by the
+    backends' convention for a placeholder, e.g. triton when not installed)."""
+    module = getattr(kernel.fn, "__module__", None)
+    if module and module.startswith("nxops.kernels."):
+        return module
+    name = "collectives" if kernel.op in ("all_gather", "reduce_scatter") else kernel.op
+    return f"nxops.kernels.{kernel.backend}.{name}"
+
+
+@functools.cache
+def _tree_version(module: str) -> str:
+    return version_of_module(module)
+
+
+def kernel_version(kernel) -> str:
+    """The version of a registered kernel in this installation."""
+    return _tree_version(kernel_module(kernel))
+
+
+# --- tables ----------------------------------------------------------------------
+
+
+def arch_name(compute_capability: int) -> str:
+    """``sm_90`` for compute capability 9.0: the tables' unit (one per architecture)."""
+    return f"sm_{compute_capability}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """One backend of one case: its time relative to XLA's, on which GPU and
+    when, and the version of the kernel that ran."""
+
+    backend: str
+    ratio: float
+    kernel_us: float
+    xla_us: float
+    version: str
+    device: str
+    date: str
+    cases: tuple[str, ...] = ()
+
+    def quote(self) -> str:
+        return f"{self.backend} {self.ratio:.2f}x XLA ({self.kernel_us:.1f} vs " \
+               f"{self.xla_us:.1f} us) on {self.device}, {self.date}"
+
+
+@functools.cache
+def load(arch: str, directory: str | None = None) -> dict[str, dict[str, Measurement]]:
+    """``{case key: {backend: Measurement}}`` of ``arch``'s table ({} if none)."""
+    path = pathlib.Path(directory or TABLE_DIR) / f"{arch}.json"
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    table: dict[str, dict[str, Measurement]] = {}
+    for entry in data["entries"]:
+        table[entry["key"]] = {
+            backend: Measurement(backend, m["ratio"], m["kernel_us"], m["xla_us"], m["version"],
+                                 m["device"], m["date"], tuple(m.get("cases", ())))
+            for backend, m in entry["backends"].items()}
+    return table
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """What the table says of one case: the kernels that won (best first,
+    each with the sentence `explain` quotes) and why XLA otherwise."""
+
+    winners: tuple[tuple[str, str], ...]
+    why_xla: str
+
+
+def verdict(case: Case | None, arch: str, kernels: Mapping[str, Any],
+            directory: str | None = None) -> Verdict:
+    """Reads ``arch``'s table for ``case``; ``kernels`` maps each backend to its
+    registered kernel (for its current version)."""
+    if case is None:
+        return Verdict((), "not a kind of case the GPU tables measure")
+    table = load(arch, directory)
+    if not table:
+        return Verdict((), f"no measured table for {arch} (unknown GPU): XLA")
+    measured = table.get(case.key)
+    if not measured:
+        return Verdict((), f"unmeasured on {arch} ({case.describe()}): XLA")
+    notes, winners = [], []
+    for m in sorted(measured.values(), key=lambda m: m.ratio):
+        kernel = kernels.get(m.backend)
+        if kernel is None:
+            continue
+        if m.version != kernel_version(kernel):
+            notes.append(f"{m.backend} stale since {m.date} (kernel {m.version} measured, "
+                         f"now {kernel_version(kernel)})")
+        elif m.ratio <= THRESHOLD:
+            winners.append((m.backend, f"measured {m.quote()} ({case.describe()})"))
+        else:
+            notes.append(f"measured {m.quote()}")
+    why = f"{'; '.join(notes) or 'nothing fresh measured'} (a kernel needs <= " \
+          f"{THRESHOLD}x; {case.describe()}): XLA"
+    return Verdict(tuple(winners), why)
