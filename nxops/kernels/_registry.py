@@ -227,6 +227,14 @@ class Kernel:
 
 
 _KERNELS: dict[tuple[str, str], Kernel] = {}
+# Per backend: why it cannot load on a platform (e.g. an incompatible jax-triton
+# / triton pair), asked before any of its kernels' own reasons.
+_LOAD_PROBLEMS: dict[str, Callable[[str], Sequence[str]]] = {}
+
+
+def register_load_check(backend: str, problems: Callable[[str], Sequence[str]]) -> None:
+    """``problems(platform)``: why ``backend`` cannot load there (empty: it can)."""
+    _LOAD_PROBLEMS[backend] = problems
 
 
 def register(kernel: Kernel) -> Kernel:
@@ -371,6 +379,9 @@ def _reasons(kernel: Kernel, platform: str, avals: Sequence[Any], params: dict,
              auto_partitioned: bool, /) -> tuple[str, ...]:
     if platform not in kernel.platforms:
         return (f"it runs on {', '.join(kernel.platforms)}, not {platform}",)
+    load_problems = tuple(_LOAD_PROBLEMS.get(kernel.backend, lambda p: ())(platform))
+    if load_problems:
+        return load_problems
     symbolic = any(not isinstance(d, int) for aval in avals for d in getattr(aval, "shape", ()))
     if symbolic and kernel.backend != "xla":   # xla is pure JAX: it takes symbolic sizes
         return ("symbolic sizes (jax.export shape polymorphism): the kernel's blocks and grid "

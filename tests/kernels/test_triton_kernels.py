@@ -1,7 +1,10 @@
 """The triton backend's kernels (``nxops/kernels/triton/``) run by Triton's
-interpreter on CPU, against the xla reference: random shapes that are not
+interpreter on CPU (compiled by jax-triton on a GPU: ``JAX_PLATFORMS=cuda,cpu``,
+as ``ci/gpu.sh`` runs them), against the xla reference: random shapes that are not
 multiples of the blocks (tiny blocks, so small arrays span many blocks and the
 split passes run), f32/bf16/f16, NaN/inf, gradients, vmap and jit."""
+import functools
+
 import hypothesis
 import hypothesis.strategies as st
 import jax
@@ -23,6 +26,12 @@ from nxops.kernels.xla import tile as xla_tile
 from tests.kernels._tolerances import FLOAT_DTYPES, assert_close
 
 OPS = xla_reduce.REDUCE_OPS
+# Where the default device is a GPU the kernels run there, compiled (the
+# interpreter path would only test the interpreter again, on the host).
+PLATFORM = "cuda" if jax.default_backend() == "gpu" else "cpu"
+reduce_kernel = functools.partial(triton_reduce.reduce, platform=PLATFORM)
+dot_kernel = functools.partial(triton_dot.dot_general, platform=PLATFORM)
+tile_kernel = functools.partial(triton_tile.tile, platform=PLATFORM)
 SETTINGS = hypothesis.settings(max_examples=15, deadline=None, derandomize=True,
                                suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture])
 
@@ -80,7 +89,7 @@ def reductions(draw):
 def test_reduce_matches_the_reference(small_blocks, case):
     shape, axes, op, dtype, specials, seed = case
     x = _values(np.random.default_rng(seed), shape, op, dtype, specials)
-    got = triton_reduce.reduce(x, axes=axes, op=op)
+    got = reduce_kernel(x, axes=axes, op=op)
     want = xla_reduce.reduce(x.astype(jnp.float32), axes=axes, op=op)
     assert got.dtype == x.dtype
     scale = float(np.sqrt(np.prod([shape[a] for a in axes]))) if op == "sum" else 1.0
@@ -95,7 +104,7 @@ def test_reduced_axis_is_split_across_programs_and_the_partials_recombine(
     programs = shape[0] // 4 + 1 if axes == (1,) else 1
     assert triton_reduce.pieces(shape[axes[0]], 8, programs)[1] > 1
     for op in OPS:
-        _assert_matches(triton_reduce.reduce(x, axes=axes, op=op),
+        _assert_matches(reduce_kernel(x, axes=axes, op=op),
                         xla_reduce.reduce(x, axes=axes, op=op), jnp.float32, scale=10.0)
 
 
@@ -106,10 +115,10 @@ def test_reduce_gradient_vmap_and_jit(small_blocks, op):
     def loss(reduce_fn, v):
         return jnp.sum(jnp.sin(reduce_fn(v, axes=(1,), op=op)))
 
-    got = jax.jit(jax.grad(lambda v: loss(triton_reduce.reduce, v)))(x)
+    got = jax.jit(jax.grad(lambda v: loss(reduce_kernel, v)))(x)
     want = jax.grad(lambda v: loss(xla_reduce.reduce, v))(x)
     assert_close(got, want, jnp.float32)
-    batched = jax.vmap(lambda v: triton_reduce.reduce(v, axes=(0,), op=op), in_axes=2)(x)
+    batched = jax.vmap(lambda v: reduce_kernel(v, axes=(0,), op=op), in_axes=2)(x)
     assert_close(batched, xla_reduce.reduce(x, axes=(0,), op=op).T, jnp.float32)
 
 
@@ -149,8 +158,7 @@ def test_dot_general_matches_the_reference(small_blocks, case):
     rng = np.random.default_rng(seed)
     a = jnp.asarray(rng.standard_normal(a_shape), dtype)
     b = jnp.asarray(rng.standard_normal(b_shape), dtype)
-    got = triton_dot.dot_general(a, b, dimension_numbers=dims,
-                                 precision=lax.Precision.HIGHEST)
+    got = dot_kernel(a, b, dimension_numbers=dims, precision=lax.Precision.HIGHEST)
     want = lax.dot_general(a, b, dims, precision=lax.Precision.HIGHEST,
                            preferred_element_type=jnp.float32)
     assert got.dtype == lax.dot_general(a, b, dims).dtype
@@ -163,7 +171,7 @@ def test_dot_general_nan_inf_and_preferred_element_type(small_blocks):
     a = a.at[3, 7].set(jnp.nan).at[5, 1].set(jnp.inf)
     b = jnp.ones((40, 18), jnp.bfloat16)
     dims = (((1,), (0,)), ((), ()))
-    got = triton_dot.dot_general(a, b, dimension_numbers=dims, preferred_element_type=jnp.float32)
+    got = dot_kernel(a, b, dimension_numbers=dims, preferred_element_type=jnp.float32)
     want = lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
     assert got.dtype == jnp.float32
     _assert_matches(got, want, jnp.bfloat16, scale=8.0)
@@ -178,7 +186,7 @@ def test_dot_general_gradient_vmap_and_jit(small_blocks):
     def loss(fn, a, b):
         return jnp.sum(jnp.tanh(fn(a, b)))
 
-    kernel = lambda a, b: triton_dot.dot_general(  # noqa: E731
+    kernel = lambda a, b: dot_kernel(  # noqa: E731
         a, b, dimension_numbers=dims, precision=lax.Precision.HIGHEST)
     reference = lambda a, b: lax.dot_general(a, b, dims, precision=lax.Precision.HIGHEST)  # noqa: E731
     got = jax.jit(jax.grad(lambda a, b: loss(kernel, a, b), argnums=(0, 1)))(a, b)
@@ -202,20 +210,20 @@ def test_f32_precision_follows_the_argument_and_the_default(monkeypatch):
 @pytest.mark.parametrize("index", [0, 2, -1, 7, -9])
 def test_tile_matches_dynamic_slice_and_clamps_in_the_kernel(small_blocks, dtype, index):
     x = jnp.arange(5 * 12 * 3).reshape(5, 12, 3).astype(dtype)
-    got = triton_tile.tile(x, jnp.int32(index), dim=1, count=3)
+    got = tile_kernel(x, jnp.int32(index), dim=1, count=3)
     np.testing.assert_array_equal(got, xla_tile.tile(x, jnp.int32(index), dim=1, count=3))
 
 
 def test_tile_gradient_and_vmap_over_arrays_and_indices(small_blocks):
     x = jnp.asarray(np.random.default_rng(5).standard_normal((6, 10)), jnp.float32)
-    grad = jax.grad(lambda v: jnp.sum(triton_tile.tile(v, jnp.int32(1), dim=0, count=3) ** 2))(x)
+    grad = jax.grad(lambda v: jnp.sum(tile_kernel(v, jnp.int32(1), dim=0, count=3) ** 2))(x)
     np.testing.assert_allclose(grad, jax.grad(
         lambda v: jnp.sum(xla_tile.tile(v, jnp.int32(1), dim=0, count=3) ** 2))(x))
     xs, indices = jnp.stack([x, -x, 2 * x]), jnp.array([0, 2, 1])
-    per_example = jax.vmap(lambda v, i: triton_tile.tile(v, i, dim=1, count=2))(xs, indices)
+    per_example = jax.vmap(lambda v, i: tile_kernel(v, i, dim=1, count=2))(xs, indices)
     want = jax.vmap(lambda v, i: xla_tile.tile(v, i, dim=1, count=2))(xs, indices)
     np.testing.assert_array_equal(per_example, want)
-    shared = jax.vmap(lambda v: triton_tile.tile(v, jnp.int32(1), dim=1, count=2))(xs)
+    shared = jax.vmap(lambda v: tile_kernel(v, jnp.int32(1), dim=1, count=2))(xs)
     np.testing.assert_array_equal(shared, xs[:, :, 5:])
 
 
