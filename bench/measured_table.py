@@ -44,7 +44,7 @@ CAPABILITY_BY_KIND = {"H100": 90, "H200": 90, "GH200": 90, "H800": 90, "A100": 8
 
 
 def capability_of(line: dict) -> int | None:
-    if line.get("compute_capability"):
+    if line.get("compute_capability") is not None:
         return int(line["compute_capability"])
     device = str(line.get("device", ""))
     for kind, capability in sorted(CAPABILITY_BY_KIND.items(), key=lambda kv: -len(kv[0])):

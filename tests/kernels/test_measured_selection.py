@@ -93,17 +93,10 @@ def test_an_edited_kernel_makes_only_its_own_entries_stale(monkeypatch):
     assert "pallas stale since 2026-11-26 (kernel 01667e6e07ab measured, now edited)" in choice.describe()
 
 
-class _FakeGpu:
-    platform = "gpu"
-
-    def __init__(self, capability):
-        self.compute_capability = capability
-
-
-def test_a_gpu_without_a_table_keeps_xla():
+def test_a_gpu_without_a_table_keeps_xla(monkeypatch):
     x = jax.ShapeDtypeStruct((4096, 4096), jnp.float32)
-    with _gpu_target.target_devices([_FakeGpu("8.0")]):
-        choice = nx.kernels.explain(lambda x: nx.logsumexp(x, 0), x, platform="cuda").reports[0].choice
+    monkeypatch.setattr(_gpu_target, "compute_capability", lambda: 80)   # an A100
+    choice = nx.kernels.explain(lambda x: nx.logsumexp(x, 0), x, platform="cuda").reports[0].choice
     assert choice.kernel.backend == "xla" and "no measured table for sm_80" in choice.describe()
 
 
@@ -192,8 +185,10 @@ def autotune_with_a_fake_gpu(tmp_path, monkeypatch):
 def test_autotune_runs_only_for_a_real_local_gpu(autotune_with_a_fake_gpu, monkeypatch):
     x = np.ones((64, 32), np.float32)
     lower = lambda: jax.jit(_fn).trace(x).lower(lowering_platforms=("cuda",))  # noqa: E731
+    assert not _autotune._is_local_gpu(jax.devices("cpu")[0])
+    monkeypatch.setattr(_autotune, "_is_local_gpu", lambda device: False)
     with nx.kernels.collect_reports() as deviceless:
-        lower()   # here: no GPU, so a deviceless lowering
+        lower()   # a deviceless lowering (this machine's devices are no GPU)
     assert autotune_with_a_fake_gpu == [] and deviceless[0].choice.kernel.backend == "xla"
     monkeypatch.setattr(_autotune, "_is_local_gpu", lambda device: True)
     with nx.kernels.collect_reports() as on_gpu:
