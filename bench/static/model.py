@@ -3,6 +3,12 @@ program slower than plain XLA (``NXOPS_KERNELS=xla``)?
 
     python -m bench.static.model            # the full program set, H100 + A100 + v5e + v6e
     python -m bench.static.model --quick    # the CI set (each kind of program once)
+    python -m bench.static.model --measured --machines h100   # beside the measured table
+
+The model decides nothing: `auto` reads what GPUs measured
+(nxops/kernels/measured/; TPUs, never measured yet, keep the model's rule).
+``--measured`` prints the modelled kernel / xla ratio beside the measured
+one for every entry of the sm_90 table.
 
 Each program of a fixed set (``programs()``) is compiled deviceless, once
 under ``auto`` and once under ``xla``, for GPUs by XLA's GPU compiler
@@ -214,6 +220,13 @@ def _custom_call_flops(instr: Instr, types: dict[str, str]) -> float:
             return 0.0
         k = math.prod(lhs[0][1][int(d.strip('"'))] for d in dims.group(1).split(",") if d)
         return 2.0 * math.prod(_arrays(instr.type)[0][1]) * k
+    if target == "triton_kernel_call" and len(instr.operands) == 2:
+        # jax-triton's call names nothing readable (its config is compressed):
+        # nxops' Triton matmul is the one taking [B, M, K] x [B, K, N]
+        (_, a), *_ = _arrays(types.get(instr.operands[0], "")) or [("", ())]
+        (_, b), *_ = _arrays(types.get(instr.operands[1], "")) or [("", ())]
+        if len(a) == len(b) == 3 and a[0] == b[0] and a[2] == b[1]:
+            return 2.0 * math.prod(a) * b[2]
     if re.search(r"dot_general|matmul", instr.attrs) and instr.operands:
         (_, out), *_ = _arrays(instr.type)
         (_, lhs), *_ = _arrays(types.get(instr.operands[0], "")) or [("", ())]
@@ -677,14 +690,77 @@ def markdown(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+# --- the model beside what a GPU measured ------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """One measured table entry: the model's kernel / xla on ``machine`` beside
+    the GPU's (nxops/kernels/measured/), for the case the entry was measured on."""
+
+    key: str
+    case: str
+    backend: str
+    modelled: float
+    measured: float
+    device: str
+
+    @property
+    def off(self) -> float:
+        """How far the model is from the measurement (modelled / measured)."""
+        return self.modelled / self.measured
+
+
+def against_measured(machine: str = "h100", arch: str = "sm_90", k: str = "") -> list[Comparison]:
+    """Every entry of ``arch``'s measured table whose case contains ``k``,
+    modelled on ``machine`` (the table's ratio is within one GPU; the model's
+    too, so an H100 model faces an H200 measurement). The model decides
+    nothing: `auto` reads the table."""
+    from bench import gpu_cases
+    from nxops.kernels import _measured
+
+    rows, xla_seconds = [], {}
+    for key, by_backend in sorted(_measured.load(arch).items()):
+        for backend, m in sorted(by_backend.items()):
+            section, name = m.cases[0].split("/", 1)
+            if k not in name:
+                continue
+            case = gpu_cases.case(section, name)
+            program = Program(name, case.fn, tuple(s for s, _ in case.shapes),
+                              tuple(d for _, d in case.shapes))
+            if name not in xla_seconds:
+                xla_seconds[name] = estimate(program, machine, "xla").seconds
+            modelled = estimate(program, machine, backend).seconds / xla_seconds[name]
+            rows.append(Comparison(key, m.cases[0], backend, modelled, m.ratio, m.device))
+    return rows
+
+
+def comparison_markdown(rows: list[Comparison], machine: str = "h100") -> str:
+    lines = [f"| case (table key) | backend | modelled /xla ({MACHINES[machine].name}) "
+             "| measured /xla | modelled / measured |", "|" + "---|" * 5]
+    lines += [f"| {r.case} (`{r.key}`) | {r.backend} | {r.modelled:.2f} | {r.measured:.2f} "
+              f"({r.device}) | {'**' if abs(r.off - 1) > 0.25 else ''}{r.off:.2f}"
+              f"{'**' if abs(r.off - 1) > 0.25 else ''} |" for r in rows]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--measured", action="store_true",
+                        help="model every case of the measured table beside its measurement")
     parser.add_argument("--quick", action="store_true", help="the CI program set")
     parser.add_argument("--machines", default="h100,a100,v5e,v6e")
     parser.add_argument("-k", default="", help="only programs whose name contains this")
     parser.add_argument("--write", action="store_true",
                         help="write the table into bench/static/MODEL.md (below its notes)")
     ns = parser.parse_args(argv)
+    if ns.measured:
+        machine = ns.machines.split(",")[0]
+        rows = against_measured(machine, k=ns.k)
+        far = sum(abs(r.off - 1) > 0.25 for r in rows)
+        print(comparison_markdown(rows, machine) + f"\n\n{len(rows)} entries, {far} modelled "
+              f"more than 25% off the measurement")
+        return 0
     progs = [p for p in programs() if (p.quick or not ns.quick) and ns.k in p.name]
     start = time.perf_counter()
     rows = evaluate(progs, ns.machines.split(","), progress=True)

@@ -1,7 +1,10 @@
 """The cost model (bench/static/model.py) on its quick program set: every
 program compiled deviceless for H100 and TPU v5e/v6e under NXOPS_KERNELS=auto
-and =xla; `auto` must model at or below `xla` (<= 1.02) everywhere, and every
-kernel it chooses must model as a win. Compile-time facts only (no clocks)."""
+and =xla. On TPU the model's rule is `auto`'s rule, so there `auto` must
+model at or below `xla` (<= 1.02) and every kernel it chooses as a win. On
+cuda `auto` follows the measured table, not the model: the model is only
+shown beside the measurements (and disagrees: bench/static/MODEL.md).
+Compile-time facts only (no clocks)."""
 import importlib.util
 
 import jax
@@ -35,24 +38,35 @@ def rows():
     return model.evaluate(quick, MACHINES, compile_same=False)
 
 
+TPUS = [m for m in MACHINES if model.MACHINES[m].kind == "tpu"]
+
+
 @needs_compile_extras
-def test_auto_never_models_slower_than_xla(rows):
+def test_auto_never_models_slower_than_xla_on_tpu(rows):
     assert {r.machine for r in rows} == set(MACHINES)
     assert not [r for r in rows if r.error], model.markdown([r for r in rows if r.error])
-    slower = [r for r in rows if r.ratio > 1.02]
+    slower = [r for r in rows if r.ratio > 1.02 and r.machine in TPUS]
     assert not slower, "\n" + model.markdown(slower)
 
 
 @needs_compile_extras
-def test_every_kernel_auto_chooses_models_as_a_win(rows):
-    chosen = [r for r in rows if not r.same_program]
+def test_every_kernel_auto_chooses_on_tpu_models_as_a_win(rows):
+    chosen = [r for r in rows if not r.same_program and r.machine in TPUS]
     assert chosen   # the rows logsumexp of an argument, at least
     for r in chosen:
         assert r.auto.kernels, r.program   # a different program: it has nxops kernels
         assert r.ratio < 1.0, "\n" + model.markdown([r])
     lse = {r.machine: r for r in rows if r.program.startswith("rows logsumexp")}
-    assert set(lse) == set(MACHINES)
-    assert all("nxops_reduce_rows_logsumexp" in " ".join(r.auto.kernels) for r in lse.values())
+    assert all("nxops_reduce_rows_logsumexp" in " ".join(lse[m].auto.kernels) for m in TPUS)
+    # on the H100 the table decides: the H200 measured this case at 1.65x XLA
+    assert lse["h100"].same_program
+
+
+@needs_compile_extras
+def test_the_model_is_shown_beside_the_measurement():
+    (row,) = model.against_measured("h100", k="cols_lse_4096x4096_bf16")
+    assert (row.backend, round(row.measured, 2)) == ("pallas", 0.68)
+    assert 0 < row.modelled < 1 and "| pallas |" in model.comparison_markdown([row])
 
 
 # --- reading the compiled HLO (no compile needed) -------------------------------------
