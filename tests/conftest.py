@@ -4,3 +4,20 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def measured_kernels(monkeypatch):
+    """Takes the installed kernels for the ones nxops/kernels/measured/ measured,
+    so that a test pins the choice the table makes whatever kernels were edited
+    since (an edited kernel's entries are stale, and `auto` keeps XLA there:
+    tests/kernels/test_measured_selection.py)."""
+    from nxops.kernels import _measured
+    recorded = {(key.split("/")[0], m.backend): m.version
+                for key, by in _measured.load("sm_90").items() for m in by.values()}
+    monkeypatch.setattr(_measured, "kernel_version",
+                        lambda k: recorded.get((k.op, k.backend), "unmeasured"))
+    return recorded

@@ -230,7 +230,7 @@ def test_explain_for_another_platform_covers_collectives():
 
 @skip_without_triton
 def test_auto_on_cuda_takes_the_fastest_measured_kernel_and_passes_over_one_that_cannot_run(
-        monkeypatch):
+        monkeypatch, measured_kernels):
     # rows logsumexp of 16384x8192 f32 on the H200 (nxops/kernels/measured/sm_90.json):
     # triton 0.71x XLA, pallas 0.945x: both win; triton is faster.
     aval = jax.ShapeDtypeStruct((16384, 8192), jnp.float32)

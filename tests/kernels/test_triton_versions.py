@@ -54,7 +54,8 @@ def test_the_shim_defines_tma_tf32_only_for_triton_before_3_7(monkeypatch):
     assert driver.TMA_TF32 == _versions.TMA_TF32
 
 
-def test_an_incompatible_stack_raises_when_asked_for_and_auto_passes_over_it(monkeypatch):
+def test_an_incompatible_stack_raises_when_asked_for_and_auto_passes_over_it(monkeypatch,
+                                                                            measured_kernels):
     pytest.importorskip("triton")
     problem = _versions.problem({"jax": "0.10.2", "jax-triton": "0.4.1", "triton": "3.8.0"})
     monkeypatch.setattr(_versions, "_installed_problem", lambda: problem)
