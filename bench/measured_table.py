@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
+import functools
 import json
 import pathlib
 import re
@@ -53,15 +54,16 @@ def capability_of(line: dict) -> int | None:
     return None
 
 
-def case_keys(section: str, name: str) -> set[str]:
+@functools.cache
+def case_keys(section: str, name: str) -> frozenset[str]:
     """The table keys of a case's nxops ops, lowered deviceless for cuda
     (none for a case that does not feed the table)."""
     case = gpu_cases.case(section, name)
     if not case.feeds_table:
-        return set()
+        return frozenset()
     with nx.kernels.use("xla"):
         explanation = nx.kernels.explain(case.fn, *case.args(), platform="cuda")
-    return {r.choice.case for r in explanation.reports}
+    return frozenset(r.choice.case for r in explanation.reports)
 
 
 def git_reader(commit: str) -> Callable[[str], str | None]:
@@ -90,16 +92,12 @@ def build_tables(lines: Iterable[dict], date: str,
     versions = _versions(read)
     xla = {(l["run"], l["section"], l["case"]): l for l in lines if l["backend"] == "xla"}
     entries: dict[tuple[str, str], dict] = {}
-    keys_of: dict[tuple[str, str], set[str]] = {}
     for line in lines:
         reference = xla.get((line["run"], line["section"], line["case"]))
         if line["backend"] not in ("pallas", "triton") or not reference or not line.get("correct"):
             continue
         capability = capability_of(line)
-        name = (line["section"], line["case"])
-        if name not in keys_of:
-            keys_of[name] = case_keys(*name)
-        keys = keys_of[name]
+        keys = case_keys(line["section"], line["case"])
         if capability is None or len(keys) != 1 or "" in keys:
             continue
         (key,) = keys

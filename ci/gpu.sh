@@ -36,7 +36,7 @@ if [ "$DRY" = 1 ]; then
   BENCH=(bench/bench_reduce.py -k "small and sum and xla and float32")
 else
   export JAX_PLATFORMS=cuda,cpu
-  LIMIT_A=170 LIMIT_B=200 LIMIT_C=90
+  LIMIT_A=150 LIMIT_B=240 LIMIT_C=60
   TESTS_ARGS=""
   TIME_ARGS=""
   BENCH=(bench/bench_reduce.py bench/bench_einsum.py)
