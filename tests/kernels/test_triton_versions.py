@@ -37,6 +37,7 @@ def test_a_jax_triton_imported_before_nxops_with_a_stubbed_backend_is_reported(m
                         types.SimpleNamespace(cb=types.SimpleNamespace(CUDABackend=stub)))
     text = _versions.problem({"jax": "0.11.2", "jax-triton": "0.4.1", "triton": "3.6.0"})
     assert "imported before nxops" in text and "triton 3.6.0" in text
+    assert "import nxops before jax_triton" in text and "pip install 'triton>=3.7" in text
 
 
 def test_the_shim_defines_tma_tf32_only_for_triton_before_3_7(monkeypatch):

@@ -7,7 +7,7 @@ What was found (the wheels' sources, `pip download --no-deps`, and the H200 run)
 |---|---|---|---|
 | 0.10 | 0.3.1 | 3.6-3.8 (CI: 3.8) | 0.4.x requires JAX >= 0.11; 0.3.1 was built for triton 3.6 |
 | 0.11, 0.12 | 0.4.1 | 3.7-3.9 (CI: 3.9 on 0.12) | 0.4.0/0.4.1 import `TMA_TF32` from triton's NVIDIA driver, new in 3.7 |
-| 0.11, 0.12 | 0.4.1 | 3.6, with nxops' shim | without `TMA_TF32` jax-triton 0.4 replaces triton's whole CUDA backend by a stub (`'_Stub' object has no attribute 'backend'` on every call); nxops defines the constant before jax-triton is imported (its value in triton 3.7+; used only for TMA descriptors, which nxops' kernels do not use). The H200 run (JAX 0.11.2, triton 3.6) was correct with the import patched this way |
+| 0.11, 0.12 | 0.4.1 | 3.6, with nxops' shim | without `TMA_TF32` jax-triton 0.4 replaces triton's whole CUDA backend by a stub (`'_Stub' object has no attribute 'backend'` on every call); nxops defines the constant before jax-triton is imported (its value in triton 3.7+; used only for TMA descriptors, which nxops' kernels do not use). The H200 run (JAX 0.11.2, triton 3.6) was correct with the import patched this way; deviceless on JAX 0.12.0.1 + triton 3.6.0 the shim makes jax-triton 0.4.1 load and lower nxops' kernels, and without it its backend is the stub |
 
 An incompatible pair makes the backend unavailable on cuda, with a reason that
 names the versions and the pip command that installs a working pair: `auto`
@@ -67,15 +67,17 @@ def problem(versions: dict[str, str | None] | None = None) -> str | None:
     if not versions.get("jax-triton") or not versions.get("triton"):
         return None   # missing packages: the backend's own reasons say what to install
     why = pair_problem(versions["jax"] or "0", versions["jax-triton"], versions["triton"])
+    fix = install_command("triton")
     if why is None and _stubbed_backend():
         why = (f"jax-triton {versions['jax-triton']} was imported before nxops with triton "
                f"{versions['triton']}, which lacks TMA_TF32 (triton >= 3.7): its CUDA backend is "
-               f"a stub. Import nxops first, or upgrade triton")
+               f"a stub")
+        fix = "import nxops before jax_triton (nxops supplies TMA_TF32), or pip install " \
+              "'triton>=3.7,<3.10'"
     if why is None:
         return None
     return (f"incompatible Triton stack: {why} (installed: JAX {versions['jax']}, jax-triton "
-            f"{versions['jax-triton']}, triton {versions['triton']}). Fix: "
-            f"{install_command('triton')}")
+            f"{versions['jax-triton']}, triton {versions['triton']}). Fix: {fix}")
 
 
 def reasons(platform: str) -> list[str]:
