@@ -337,7 +337,8 @@ def ppermute(x: ArrayLike, axis_name: AxisNames,
     if size == 0:   # no positions: none sends, none receives (and there is no table to index)
         return jnp.zeros_like(x)
     if mesh_names and not vmap_names:   # lax.ppermute on devices zero-fills partial perms
-        return lax.ppermute(x, _one_or_tuple(physical), perm)
+        names, perm = _perm_in_mesh_order(mesh_names, perm)
+        return lax.ppermute(x, _one_or_tuple(names), perm)
     if len(perm) == size and len(physical) == 1:   # a full permutation of a vmapped name
         return lax.ppermute(x, physical[0], perm)
     # Otherwise positionally (JAX's ppermute asserts over several vmapped axes,
@@ -349,6 +350,25 @@ def ppermute(x: ArrayLike, axis_name: AxisNames,
     everyone = all_gather(x, axis_name, axis=0, tiled=False)
     received = lax.dynamic_index_in_dim(everyone, jnp.maximum(mine, 0), 0, keepdims=False)
     return jnp.where(mine >= 0, received, jnp.zeros_like(received))
+
+
+def _perm_in_mesh_order(mesh_names: tuple, perm: list) -> tuple[tuple, list]:
+    """``(names, perm)`` with the mesh axes in the mesh's order and ``perm``'s
+    positions renumbered for it. JAX's ppermute over shard_map axes numbers
+    positions in mesh order whatever the order of the names given (t04:
+    {'a': ('y', 'x')} on an ('x', 'y') mesh), while axis_index, all_gather and
+    the logical position go major to minor in the order given."""
+    mesh_axes = jax.sharding.get_abstract_mesh().axis_names
+    ordered = tuple(sorted(mesh_names, key=mesh_axes.index))
+    if ordered == tuple(mesh_names):
+        return ordered, perm
+    sizes = [_axis_env.physical_axis_size(n) for n in mesh_names]
+    moved = [mesh_names.index(n) for n in ordered]
+
+    def renumber(position: int) -> int:
+        digits = np.unravel_index(position, sizes)
+        return int(np.ravel_multi_index([digits[i] for i in moved], [sizes[i] for i in moved]))
+    return ordered, [(renumber(src), renumber(dst)) for src, dst in perm]
 
 
 def _check_perm(perm, axis_name, size) -> list[tuple[int, int]]:
@@ -497,34 +517,47 @@ def _check_not_size_0(name, size: int, op: str) -> None:
 def tile(x: ArrayLike, axes: Tiling) -> jax.Array:
     """This position's tile of ``x`` (replicated over the names) along each
     ``{name: dim}``: ``x`` split into ``axis_size(name)`` equal tiles along
-    ``dim``. No communication: the inverse of ``untile``."""
+    ``dim``. A key may be a tuple of names (major to minor), as in ``untile``.
+    No communication: the inverse of ``untile``."""
     x = _check_tiling(x, axes, "tile")
-    for name, dim in axes.items():
+    for key, dim in axes.items():
         dim %= x.ndim
-        size = axis_size(name)
-        _check_not_size_0(name, size, "tile")
+        size = axis_size(key)
+        _check_not_size_0(key, size, "tile")
         if x.shape[dim] % size:
             raise NxopsError(f"nx.tile: dim {dim} of x (shape {x.shape}) has size {x.shape[dim]}, "
-                             f"not divisible by the size {size} of {name!r}.")
-        physical, vmap_names, mesh_names = _physical(name, "tile", allow_loop=True)
+                             f"not divisible by the size {size} of {key!r}.")
+        _, vmap_names, mesh_names = _physical(key, "tile", allow_loop=True)
         fused = _tile_as_reduce_scatter(x, mesh_names, dim) if mesh_names else None
         if fused is not None:
             x = fused
-        elif mesh_names or not vmap_names:  # major part first: this device's tile
-            count = math.prod(map(_axis_env.physical_axis_size, mesh_names)) if vmap_names else size
-            axes_here = mesh_names or physical
-            index = lax.axis_index(_one_or_tuple(axes_here))
-            x = tile_p.bind(x, index.astype(jnp.int32), dim=dim, count=count,
-                            kernels=selection_param())
-        steps = [p for p in _axis_env.position_parts((name,), op="nx.tile") if p.index is not None]
-        if steps:  # then this loop step's tile (loops sit between mesh axes and the tile)
-            step = jnp.int32(0)
-            for p in steps:
-                step = step * p.size + p.index.astype(jnp.int32)
-            x = tile_p.bind(x, step, dim=dim, count=math.prod(p.size for p in steps),
-                            kernels=selection_param())
-        if vmap_names:
-            x = _along_vmap_names(x, "tile", vmap_names, dim)
+            continue
+        # Tile i*n_b + j over ('a', 'b') is sub-tile j of tile i: one name at a time.
+        for name in _axis_env.as_name_tuple(key):
+            x = _tile_one_name(x, name, dim)
+    return x
+
+
+def _tile_one_name(x, name, dim: int):
+    """``nx.tile`` over one logical name: the mesh part first (this device's
+    tile), then this loop step's, then the vmap tile's."""
+    size = axis_size(name)
+    physical, vmap_names, mesh_names = _physical(name, "tile", allow_loop=True)
+    if mesh_names or not vmap_names:
+        count = math.prod(map(_axis_env.physical_axis_size, mesh_names)) if vmap_names else size
+        axes_here = mesh_names or physical
+        index = lax.axis_index(_one_or_tuple(axes_here))
+        x = tile_p.bind(x, index.astype(jnp.int32), dim=dim, count=count,
+                        kernels=selection_param())
+    steps = [p for p in _axis_env.position_parts((name,), op="nx.tile") if p.index is not None]
+    if steps:  # loops sit between the mesh axes and the tile
+        step = jnp.int32(0)
+        for p in steps:
+            step = step * p.size + p.index.astype(jnp.int32)
+        x = tile_p.bind(x, step, dim=dim, count=math.prod(p.size for p in steps),
+                        kernels=selection_param())
+    if vmap_names:
+        x = _along_vmap_names(x, "tile", vmap_names, dim)
     return x
 
 
