@@ -169,6 +169,18 @@ def as_name_tuple(axis_name) -> tuple:
     return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
 
 
+def refuse_nested(axis, *, op: str) -> None:
+    """An axis argument is one flat tuple of ints and names: a tuple inside it
+    would otherwise be looked up as a name ("not bound here")."""
+    items = axis if isinstance(axis, (tuple, list)) else (axis,)
+    nested = next((item for item in items if isinstance(item, (tuple, list))), None)
+    if nested is not None:
+        flat = tuple(j for i in items for j in (i if isinstance(i, (tuple, list)) else (i,)))
+        raise NxopsError(f"{op}: the axes {axis!r} nest the tuple {nested!r}; axes are one flat "
+                         f"tuple of ints (positional) and names, not tuples of tuples. For "
+                         f"these axes write {flat!r}.")
+
+
 def resolve(names: Sequence, *, op: str, allow_loop: bool = False) -> tuple[str, ...]:
     """Physical axis names (major to minor) for logical ``names``."""
     logical = _LOGICAL_AXES.get()

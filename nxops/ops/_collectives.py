@@ -33,6 +33,7 @@ from nxops._typing import ArrayLike, AxisNames, DTypeLike, Tiling
 
 
 def _physical(axis_name, op: str, *, allow_loop=False):
+    _axis_env.refuse_nested(axis_name, op=f"nx.{op}")
     names = _axis_env.as_name_tuple(axis_name)
     for n in names:
         if isinstance(n, int):
@@ -394,6 +395,7 @@ def _check_perm(perm, axis_name, size) -> list[tuple[int, int]]:
 
 
 def _position_parts(axis_name, op: str):
+    _axis_env.refuse_nested(axis_name, op=op)
     names = _axis_env.as_name_tuple(axis_name)
     physical = _axis_env.resolve(names, op=op, allow_loop=True)
     _axis_env.split_vmap_and_mesh(physical, op=op)   # every physical name is bound here

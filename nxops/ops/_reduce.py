@@ -222,6 +222,7 @@ _MESH_REDUCERS = {   # (sum is handled first: it records the partial for sum-the
 
 def _split_axis_argument(x, axis, *, op: str) -> tuple[tuple[int, ...], tuple]:
     """(positional axes normalised to non-negative, names) from ``axis``."""
+    _axis_env.refuse_nested(axis, op=f"nx.{op}")
     items = axis if isinstance(axis, (tuple, list)) else (axis,)
     ndim = jnp.ndim(x)
     positional, names = [], []
@@ -373,6 +374,7 @@ def mean(x: ArrayLike, axis: Axis) -> jax.Array:
 
 
 def _names_only(axis_name, op: str):
+    _axis_env.refuse_nested(axis_name, op=f"nx.{op}")
     names = _axis_env.as_name_tuple(axis_name)
     for n in names:
         if isinstance(n, int):
