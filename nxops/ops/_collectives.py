@@ -99,46 +99,53 @@ def _mesh_collective(op: str, x, mesh_names: tuple[str, ...], **params):
 # are reshapes, which this primitive's batching rule does directly.
 
 named_layout_p = Primitive("nx_named_layout")
+# Parameters: kind (gather, scatter, tile, place), name, dim, size (the name's),
+# chunk: the per-position size along dim (gather's input, scatter's result).
+# Carried, not recomputed as the gathered size // size, which a size-0 name
+# cannot give back (the transpose of a gather over it).
 
 
-def _layout_shape(shape, kind, dim, size):
+def _layout_shape(shape, kind, dim, size, chunk):
     shape = list(shape)
-    shape[dim] = shape[dim] * size if kind in ("gather", "place") else shape[dim] // size
+    shape[dim] = chunk * size if kind in ("gather", "place") else chunk
     return tuple(shape)
 
 
-def _layout_abstract_eval(x, *, kind, name, dim, size):
+def _layout_abstract_eval(x, *, kind, name, dim, size, chunk):
     del name
-    return x.update(shape=_layout_shape(x.shape, kind, dim, size))
+    return x.update(shape=_layout_shape(x.shape, kind, dim, size, chunk))
 
 
-def _split_dim(x, dim, size):
-    """[..., D, ...] -> [..., size, D/size, ...]"""
-    return x.reshape(x.shape[:dim] + (size, x.shape[dim] // size) + x.shape[dim + 1:])
+def _split_dim(x, dim, size, chunk):
+    """[..., size * chunk, ...] -> [..., size, chunk, ...]"""
+    return x.reshape(x.shape[:dim] + (size, chunk) + x.shape[dim + 1:])
 
 
-def _layout_batcher(axis_data, vals_in, dims_in, *, kind, name, dim, size):
+def _layout_batcher(axis_data, vals_in, dims_in, *, kind, name, dim, size, chunk):
     (x,), (d,) = vals_in, dims_in
+    params = dict(kind=kind, name=name, size=size, chunk=chunk)
     if axis_data.name != name:
         if d is None:
-            return named_layout_p.bind(x, kind=kind, name=name, dim=dim, size=size), None
+            return named_layout_p.bind(x, dim=dim, **params), None
         x = jnp.moveaxis(x, d, 0)
-        return named_layout_p.bind(x, kind=kind, name=name, dim=dim + 1, size=size), 0
+        return named_layout_p.bind(x, dim=dim + 1, **params), 0
     if kind == "gather":  # varying along the name -> replicated, concatenated along dim
-        if d is None:
-            return jnp.concatenate([x] * size, axis=dim), None
-        x = jnp.moveaxis(x, d, dim)   # explicit sizes: -1 is ambiguous for empty arrays
-        return x.reshape(x.shape[:dim] + (x.shape[dim] * x.shape[dim + 1],) + x.shape[dim + 2:]), None
+        if d is None:   # size copies (a concatenate of none fails where size is 0)
+            x = jnp.broadcast_to(jnp.expand_dims(x, dim), x.shape[:dim] + (size,) + x.shape[dim:])
+        else:
+            x = jnp.moveaxis(x, d, dim)
+        # explicit sizes: -1 is ambiguous for empty arrays
+        return x.reshape(x.shape[:dim] + (size * chunk,) + x.shape[dim + 2:]), None
     if kind == "scatter":  # summed over the name, then tile number i to position i
         x = x * size if d is None else jnp.sum(x, axis=d)
-        return _split_dim(x, dim, size), dim
+        return _split_dim(x, dim, size, chunk), dim
     if kind == "place":
         return _place_batched(x, d, dim, size), 0
     # tile: position i takes tile i of its own value
     if d is None:
-        return _split_dim(x, dim, size), dim
+        return _split_dim(x, dim, size, chunk), dim
     x = jnp.moveaxis(x, d, 0)
-    tiles = _split_dim(x, dim + 1, size)  # [size(batch), ..., size(tiles), chunk, ...]
+    tiles = _split_dim(x, dim + 1, size, chunk)  # [size(batch), ..., size(tiles), chunk, ...]
     return jnp.moveaxis(jnp.diagonal(tiles, axis1=0, axis2=dim + 1), -1, 0), 0
 
 
@@ -155,7 +162,7 @@ def _place_batched(x, d, dim, size):
     return placed.reshape(shape[:dim + 1] + (shape[dim + 1] * shape[dim + 2],) + shape[dim + 3:])
 
 
-def _layout_lowering(ctx, x, *, kind, name, dim, size):
+def _layout_lowering(ctx, x, *, kind, name, dim, size, chunk):
     raise NxopsError(f"nxops {kind} over {name!r} reached lowering: the name must be bound by "
                      f"an enclosing vmap or xmap.")
 
@@ -165,7 +172,7 @@ batching.fancy_primitive_batchers[named_layout_p] = _layout_batcher
 mlir.register_lowering(named_layout_p, _layout_lowering)
 
 
-def _layout_transpose(ct, x, *, kind, name, dim, size):
+def _layout_transpose(ct, x, *, kind, name, dim, size, chunk):
     # gather <-> scatter are each other's transposes (psum semantics, as lax);
     # tile <-> place: a replicated input's in-body gradient stays per position
     # (docs/xmap.md), so tile's cotangent goes to this position's tile only,
@@ -173,7 +180,7 @@ def _layout_transpose(ct, x, *, kind, name, dim, size):
     other = {"gather": "scatter", "scatter": "gather", "tile": "place", "place": "tile"}[kind]
     if type(ct) is ad.Zero:
         return (ad.Zero(x.aval),)
-    return (named_layout_p.bind(ct, kind=other, name=name, dim=dim, size=size),)
+    return (named_layout_p.bind(ct, kind=other, name=name, dim=dim, size=size, chunk=chunk),)
 
 
 ad.deflinear2(named_layout_p, _layout_transpose)
@@ -184,8 +191,10 @@ def _along_vmap_names(x, kind, vmap_names, dim):
     that a position along the logical axis is major-to-minor over the names."""
     order = tuple(reversed(vmap_names)) if kind == "gather" else vmap_names
     for name in order:
-        x = named_layout_p.bind(x, kind=kind, name=name, dim=dim,
-                                size=_axis_env.physical_axis_size(name))
+        size = _axis_env.physical_axis_size(name)
+        # (scatters and tiles refuse a size-0 name before they get here)
+        chunk = x.shape[dim] if kind in ("gather", "place") else x.shape[dim] // size
+        x = named_layout_p.bind(x, kind=kind, name=name, dim=dim, size=size, chunk=chunk)
     return x
 
 
