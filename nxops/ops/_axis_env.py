@@ -114,15 +114,36 @@ def position_parts(names: Sequence, *, op: str) -> list[PositionPart]:
     return parts
 
 
+# While an nx.xmap body is traced: a hint per logical name, from the named ops
+# traced there, for the error of a result that varies along a name its out_axes
+# omit (e.g. an einsum operand that omits a contracted name's group).
+_VARIES_HINTS: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "nxops_varies_hints", default=None)
+
+
 @contextlib.contextmanager
 def logical_axes(mapping: dict[str, LogicalAxis]) -> Iterator[None]:
     """Binds logical names while an ``nx.xmap`` body is traced (nests: inner
     bindings extend outer ones)."""
     token = _LOGICAL_AXES.set({**_LOGICAL_AXES.get(), **mapping})
+    hints = _VARIES_HINTS.set({})
     try:
         yield
     finally:
+        _VARIES_HINTS.reset(hints)
         _LOGICAL_AXES.reset(token)
+
+
+def note_varies_hint(name, text: str) -> None:
+    """Records why a value may vary along logical ``name`` (the first note per name)."""
+    hints = _VARIES_HINTS.get()
+    if hints is not None:
+        hints.setdefault(name, text)
+
+
+def varies_hint(name) -> str:
+    """The note for ``name`` recorded in the body being traced ("" if none)."""
+    return (_VARIES_HINTS.get() or {}).get(name, "")
 
 
 class TileAxisName(str):

@@ -196,3 +196,25 @@ def _check_output(spec: EinsumSpec, arrow: int) -> None:
                          "operands are contracted).")
     if spec.output.has_ellipsis and not any(t.has_ellipsis for t in spec.inputs):
         raise _error(text, text.index(ELLIPSIS, arrow), "'...' in the result but in no operand")
+
+
+def term_text(term: Term) -> str:
+    names = f"<{','.join(term.names)}>" if term.names else ""
+    return "".join(term.positional) + names
+
+
+@functools.lru_cache(maxsize=512)
+def omitted_groups(spec: EinsumSpec) -> dict[str, str]:
+    """``{name: spec}`` for each contracted name that some operand's group
+    omits: that operand is not summed over it (docs/xmap.md), which readers
+    of lax.xeinsum specs easily miss; the spec with the name on every operand."""
+    contracted = [n for n in dict.fromkeys(n for t in spec.inputs for n in t.names)
+                  if n not in spec.output.names]
+    fixes = {}
+    for name in contracted:
+        if all(name in t.names for t in spec.inputs):
+            continue
+        terms = [t if name in t.names else Term(t.positional, t.names + (name,))
+                 for t in spec.inputs]
+        fixes[name] = ",".join(map(term_text, terms)) + "->" + term_text(spec.output)
+    return fixes

@@ -81,3 +81,33 @@ def test_a_letter_that_is_also_a_name_is_refused(spec, letter, pointer, renamed)
                         f"name in a group (<{letter}>)")
     assert lines[1].strip() == spec and lines[2] == " " * (4 + pointer) + "^"
     assert lines[3].endswith(f"give them different spellings, e.g. {renamed!r}.")
+
+
+@pytest.mark.parametrize("resources", [{}, {"heads": "x"}, {"heads": ("x", "y")}],
+                         ids=["none", "mesh", "whole_mesh"])
+def test_a_named_group_missing_on_one_operand_says_to_put_it_on_every_operand(resources):
+    a = jnp.asarray(np.random.default_rng(0).normal(size=(4, 5, 3)), jnp.float32)
+    w = jnp.asarray(np.random.default_rng(1).normal(size=(4, 3, 2)), jnp.float32)
+
+    def run(spec):
+        with jax.set_mesh(jax.make_mesh((2, 2), ("x", "y"), devices=jax.devices()[:4])):
+            return nx.xmap(lambda a, w: nx.einsum(spec, a, w), [["heads", ...], ["heads", ...]],
+                           [...], axis_resources=resources)(a, w)
+    with pytest.raises(nx.NxopsError) as info:
+        run("tk,<heads>kd->td")
+    message = str(info.value)
+    assert message.endswith(
+        "If it comes from nx.einsum 'tk,<heads>kd->td': 'heads' is summed only in the operands "
+        "whose groups list it, and an operand that omits <heads> keeps varying along it. To "
+        "contract 'heads' in every operand, write 'tk<heads>,kd<heads>->td'."), message
+    np.testing.assert_allclose(run("tk<heads>,kd<heads>->td"), jnp.einsum("htk,hkd->td", a, w),
+                               rtol=1e-5)
+
+
+def test_an_unrelated_out_axes_error_has_no_einsum_hint():
+    f = nx.xmap(lambda a, w: nx.einsum("tk,<heads>kd->td", a, w) + 0 * nx.axis_index("b"),
+                [["heads", "b", ...], ["heads", ...]], ["heads", ...])
+    with pytest.raises(nx.NxopsError) as info:
+        f(jnp.ones((4, 2, 5, 3)), jnp.ones((4, 3, 2)))
+    assert "varies along the named axis 'b'" in str(info.value)
+    assert "nx.einsum" not in str(info.value)
