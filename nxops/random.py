@@ -21,7 +21,9 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from nxops._errors import NxopsError
 from nxops.ops import axis_index
 from nxops.ops._axis_env import as_name_tuple, current_logical_axes
 from nxops._typing import ArrayLike, DTypeLike
@@ -44,26 +46,56 @@ def key_here(key: jax.Array, names: str | Sequence[str] | None = None) -> jax.Ar
     return fold_in_names(key, *as_name_tuple(names))
 
 
-def uniform(key: jax.Array, shape: Sequence[int] = (), dtype: DTypeLike = jnp.float32,
+def uniform(key: jax.Array, shape: Sequence[int] = (), dtype: DTypeLike | None = None,
             minval: ArrayLike = 0.0, maxval: ArrayLike = 1.0, *,
             names: str | Sequence[str] | None = None) -> jax.Array:
-    """``jax.random.uniform`` with different numbers at each named position."""
+    """``jax.random.uniform`` with different numbers at each named position
+    (``dtype`` defaults as there: float64 under ``jax_enable_x64``)."""
+    _check_sampler_args(key, shape, "uniform")
     return jax.random.uniform(key_here(key, names), shape, dtype, minval, maxval)
 
 
-def normal(key: jax.Array, shape: Sequence[int] = (), dtype: DTypeLike = jnp.float32, *,
+def normal(key: jax.Array, shape: Sequence[int] = (), dtype: DTypeLike | None = None, *,
            names: str | Sequence[str] | None = None) -> jax.Array:
-    """``jax.random.normal`` with different numbers at each named position."""
+    """``jax.random.normal`` with different numbers at each named position
+    (``dtype`` defaults as there: float64 under ``jax_enable_x64``)."""
+    _check_sampler_args(key, shape, "normal")
     return jax.random.normal(key_here(key, names), shape, dtype)
 
 
-def bits(key: jax.Array, shape: Sequence[int] = (), dtype: DTypeLike = jnp.uint32, *,
+def bits(key: jax.Array, shape: Sequence[int] = (), dtype: DTypeLike | None = None, *,
          names: str | Sequence[str] | None = None) -> jax.Array:
     """``jax.random.bits`` with different bits at each named position."""
+    _check_sampler_args(key, shape, "bits")
     return jax.random.bits(key_here(key, names), shape, dtype)
 
 
 def bernoulli(key: jax.Array, p: ArrayLike = 0.5, shape: Sequence[int] | None = None, *,
               names: str | Sequence[str] | None = None) -> jax.Array:
     """``jax.random.bernoulli`` with different draws at each named position."""
+    _check_sampler_args(key, () if shape is None else shape, "bernoulli")
     return jax.random.bernoulli(key_here(key, names), p, shape)
+
+
+def _check_sampler_args(key, shape, op: str) -> None:
+    """JAX's own errors here are a bare TypeError (a float key) and an MLIR
+    verifier error (a negative dim): say what is wrong, and the fix."""
+    dtype = getattr(key, "dtype", None)
+    typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+    if not typed and (dtype != jnp.uint32 or jnp.ndim(key) < 1):
+        what = (f"an array of dtype {dtype} and shape {jnp.shape(key)}" if dtype is not None
+                else f"{key!r}")
+        raise NxopsError(
+            f"nx.random.{op}: the key is {what}, not a PRNG key. Make one with "
+            f"jax.random.key(seed) (or the legacy uint32 jax.random.PRNGKey(seed)) and pass "
+            f"it unchanged: a key cast to another dtype or computed from data is not a key.")
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        raise NxopsError(f"nx.random.{op}: shape={shape!r} must be a tuple of sizes, "
+                         f"e.g. (3,) or x.shape.") from None
+    negative = [d for d in dims if isinstance(d, (int, np.integer)) and d < 0]
+    if negative:
+        raise NxopsError(f"nx.random.{op}: shape={shape!r} has the negative size {negative[0]}; "
+                         f"sizes are >= 0 (there is no -1 to infer): give the full shape, "
+                         f"e.g. x.shape.")

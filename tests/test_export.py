@@ -66,3 +66,31 @@ def test_export_of_a_mesh_mapped_xmap_round_trips_under_the_mesh():
         exported = nx.export(f, X, platforms=("cpu",))
         got = jax.export.deserialize(exported.serialize()).call(X)
     np.testing.assert_allclose(got, X.sum(0), rtol=1e-5)
+
+
+def test_gpu_platform_means_cuda_as_in_explain():
+    # jax.export alone says "Unknown backend: 'gpu'"; JAX names CUDA devices "gpu".
+    exported = nx.export(_named_loss(), X, W, platforms=("gpu",))
+    assert exported.platforms == ("cuda",)
+    assert jax.export.deserialize(exported.serialize()).platforms == ("cuda",)
+
+
+def test_an_unknown_platform_is_refused_with_the_valid_names():
+    with pytest.raises(nx.NxopsError, match=r"nx.export: unknown platform 'gpus'\. Use one of "
+                                            r"'cpu', 'cuda', 'rocm', 'tpu' \('gpu' means 'cuda'"):
+        nx.export(_named_loss(), X, W, platforms=("cpu", "gpus"))
+
+
+@pytest.mark.parametrize("op", ["var", "std"])
+def test_var_and_std_over_a_symbolic_named_size_export(op):
+    """t07 in general: a named axis and a positional one, ddof, and sizes where
+    ddof >= N (nan, as jnp) from one export."""
+    (b,) = jax.export.symbolic_shape("b")
+    f = nx.xmap(lambda x: getattr(nx, op)(x, ("b", 0), ddof=4), [["b", ...]], [...])
+    exported = nx.export(f, jax.ShapeDtypeStruct((b, 2), jnp.float32), platforms=("cpu",))
+    restored = jax.export.deserialize(exported.serialize())
+    for n in (1, 2, 5):   # N = 2n elements: n = 1 and 2 leave no degrees of freedom
+        x = X[:n, :2]
+        want = getattr(jnp, op)(x, ddof=4)
+        np.testing.assert_allclose(restored.call(x), want, rtol=1e-5, equal_nan=True)
+        assert np.isnan(want) == (n <= 2)

@@ -114,15 +114,36 @@ def position_parts(names: Sequence, *, op: str) -> list[PositionPart]:
     return parts
 
 
+# While an nx.xmap body is traced: a hint per logical name, from the named ops
+# traced there, for the error of a result that varies along a name its out_axes
+# omit (e.g. an einsum operand that omits a contracted name's group).
+_VARIES_HINTS: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "nxops_varies_hints", default=None)
+
+
 @contextlib.contextmanager
 def logical_axes(mapping: dict[str, LogicalAxis]) -> Iterator[None]:
     """Binds logical names while an ``nx.xmap`` body is traced (nests: inner
     bindings extend outer ones)."""
     token = _LOGICAL_AXES.set({**_LOGICAL_AXES.get(), **mapping})
+    hints = _VARIES_HINTS.set({})
     try:
         yield
     finally:
+        _VARIES_HINTS.reset(hints)
         _LOGICAL_AXES.reset(token)
+
+
+def note_varies_hint(name, text: str) -> None:
+    """Records why a value may vary along logical ``name`` (the first note per name)."""
+    hints = _VARIES_HINTS.get()
+    if hints is not None:
+        hints.setdefault(name, text)
+
+
+def varies_hint(name) -> str:
+    """The note for ``name`` recorded in the body being traced ("" if none)."""
+    return (_VARIES_HINTS.get() or {}).get(name, "")
 
 
 class TileAxisName(str):
@@ -167,6 +188,18 @@ current_logical_axes_map: Callable[[], dict[str, LogicalAxis]] = _LOGICAL_AXES.g
 
 def as_name_tuple(axis_name) -> tuple:
     return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def refuse_nested(axis, *, op: str) -> None:
+    """An axis argument is one flat tuple of ints and names: a tuple inside it
+    would otherwise be looked up as a name ("not bound here")."""
+    items = axis if isinstance(axis, (tuple, list)) else (axis,)
+    nested = next((item for item in items if isinstance(item, (tuple, list))), None)
+    if nested is not None:
+        flat = tuple(j for i in items for j in (i if isinstance(i, (tuple, list)) else (i,)))
+        raise NxopsError(f"{op}: the axes {axis!r} nest the tuple {nested!r}; axes are one flat "
+                         f"tuple of ints (positional) and names, not tuples of tuples. For "
+                         f"these axes write {flat!r}.")
 
 
 def resolve(names: Sequence, *, op: str, allow_loop: bool = False) -> tuple[str, ...]:

@@ -33,6 +33,7 @@ from nxops._typing import ArrayLike, AxisNames, DTypeLike, Tiling
 
 
 def _physical(axis_name, op: str, *, allow_loop=False):
+    _axis_env.refuse_nested(axis_name, op=f"nx.{op}")
     names = _axis_env.as_name_tuple(axis_name)
     for n in names:
         if isinstance(n, int):
@@ -98,46 +99,53 @@ def _mesh_collective(op: str, x, mesh_names: tuple[str, ...], **params):
 # are reshapes, which this primitive's batching rule does directly.
 
 named_layout_p = Primitive("nx_named_layout")
+# Parameters: kind (gather, scatter, tile, place), name, dim, size (the name's),
+# chunk: the per-position size along dim (gather's input, scatter's result).
+# Carried, not recomputed as the gathered size // size, which a size-0 name
+# cannot give back (the transpose of a gather over it).
 
 
-def _layout_shape(shape, kind, dim, size):
+def _layout_shape(shape, kind, dim, size, chunk):
     shape = list(shape)
-    shape[dim] = shape[dim] * size if kind in ("gather", "place") else shape[dim] // size
+    shape[dim] = chunk * size if kind in ("gather", "place") else chunk
     return tuple(shape)
 
 
-def _layout_abstract_eval(x, *, kind, name, dim, size):
+def _layout_abstract_eval(x, *, kind, name, dim, size, chunk):
     del name
-    return x.update(shape=_layout_shape(x.shape, kind, dim, size))
+    return x.update(shape=_layout_shape(x.shape, kind, dim, size, chunk))
 
 
-def _split_dim(x, dim, size):
-    """[..., D, ...] -> [..., size, D/size, ...]"""
-    return x.reshape(x.shape[:dim] + (size, x.shape[dim] // size) + x.shape[dim + 1:])
+def _split_dim(x, dim, size, chunk):
+    """[..., size * chunk, ...] -> [..., size, chunk, ...]"""
+    return x.reshape(x.shape[:dim] + (size, chunk) + x.shape[dim + 1:])
 
 
-def _layout_batcher(axis_data, vals_in, dims_in, *, kind, name, dim, size):
+def _layout_batcher(axis_data, vals_in, dims_in, *, kind, name, dim, size, chunk):
     (x,), (d,) = vals_in, dims_in
+    params = dict(kind=kind, name=name, size=size, chunk=chunk)
     if axis_data.name != name:
         if d is None:
-            return named_layout_p.bind(x, kind=kind, name=name, dim=dim, size=size), None
+            return named_layout_p.bind(x, dim=dim, **params), None
         x = jnp.moveaxis(x, d, 0)
-        return named_layout_p.bind(x, kind=kind, name=name, dim=dim + 1, size=size), 0
+        return named_layout_p.bind(x, dim=dim + 1, **params), 0
     if kind == "gather":  # varying along the name -> replicated, concatenated along dim
-        if d is None:
-            return jnp.concatenate([x] * size, axis=dim), None
-        x = jnp.moveaxis(x, d, dim)   # explicit sizes: -1 is ambiguous for empty arrays
-        return x.reshape(x.shape[:dim] + (x.shape[dim] * x.shape[dim + 1],) + x.shape[dim + 2:]), None
+        if d is None:   # size copies (a concatenate of none fails where size is 0)
+            x = jnp.broadcast_to(jnp.expand_dims(x, dim), x.shape[:dim] + (size,) + x.shape[dim:])
+        else:
+            x = jnp.moveaxis(x, d, dim)
+        # explicit sizes: -1 is ambiguous for empty arrays
+        return x.reshape(x.shape[:dim] + (size * chunk,) + x.shape[dim + 2:]), None
     if kind == "scatter":  # summed over the name, then tile number i to position i
         x = x * size if d is None else jnp.sum(x, axis=d)
-        return _split_dim(x, dim, size), dim
+        return _split_dim(x, dim, size, chunk), dim
     if kind == "place":
         return _place_batched(x, d, dim, size), 0
     # tile: position i takes tile i of its own value
     if d is None:
-        return _split_dim(x, dim, size), dim
+        return _split_dim(x, dim, size, chunk), dim
     x = jnp.moveaxis(x, d, 0)
-    tiles = _split_dim(x, dim + 1, size)  # [size(batch), ..., size(tiles), chunk, ...]
+    tiles = _split_dim(x, dim + 1, size, chunk)  # [size(batch), ..., size(tiles), chunk, ...]
     return jnp.moveaxis(jnp.diagonal(tiles, axis1=0, axis2=dim + 1), -1, 0), 0
 
 
@@ -154,7 +162,7 @@ def _place_batched(x, d, dim, size):
     return placed.reshape(shape[:dim + 1] + (shape[dim + 1] * shape[dim + 2],) + shape[dim + 3:])
 
 
-def _layout_lowering(ctx, x, *, kind, name, dim, size):
+def _layout_lowering(ctx, x, *, kind, name, dim, size, chunk):
     raise NxopsError(f"nxops {kind} over {name!r} reached lowering: the name must be bound by "
                      f"an enclosing vmap or xmap.")
 
@@ -164,7 +172,7 @@ batching.fancy_primitive_batchers[named_layout_p] = _layout_batcher
 mlir.register_lowering(named_layout_p, _layout_lowering)
 
 
-def _layout_transpose(ct, x, *, kind, name, dim, size):
+def _layout_transpose(ct, x, *, kind, name, dim, size, chunk):
     # gather <-> scatter are each other's transposes (psum semantics, as lax);
     # tile <-> place: a replicated input's in-body gradient stays per position
     # (docs/xmap.md), so tile's cotangent goes to this position's tile only,
@@ -172,7 +180,7 @@ def _layout_transpose(ct, x, *, kind, name, dim, size):
     other = {"gather": "scatter", "scatter": "gather", "tile": "place", "place": "tile"}[kind]
     if type(ct) is ad.Zero:
         return (ad.Zero(x.aval),)
-    return (named_layout_p.bind(ct, kind=other, name=name, dim=dim, size=size),)
+    return (named_layout_p.bind(ct, kind=other, name=name, dim=dim, size=size, chunk=chunk),)
 
 
 ad.deflinear2(named_layout_p, _layout_transpose)
@@ -183,8 +191,10 @@ def _along_vmap_names(x, kind, vmap_names, dim):
     that a position along the logical axis is major-to-minor over the names."""
     order = tuple(reversed(vmap_names)) if kind == "gather" else vmap_names
     for name in order:
-        x = named_layout_p.bind(x, kind=kind, name=name, dim=dim,
-                                size=_axis_env.physical_axis_size(name))
+        size = _axis_env.physical_axis_size(name)
+        # (scatters and tiles refuse a size-0 name before they get here)
+        chunk = x.shape[dim] if kind in ("gather", "place") else x.shape[dim] // size
+        x = named_layout_p.bind(x, kind=kind, name=name, dim=dim, size=size, chunk=chunk)
     return x
 
 
@@ -337,7 +347,8 @@ def ppermute(x: ArrayLike, axis_name: AxisNames,
     if size == 0:   # no positions: none sends, none receives (and there is no table to index)
         return jnp.zeros_like(x)
     if mesh_names and not vmap_names:   # lax.ppermute on devices zero-fills partial perms
-        return lax.ppermute(x, _one_or_tuple(physical), perm)
+        names, perm = _perm_in_mesh_order(mesh_names, perm)
+        return lax.ppermute(x, _one_or_tuple(names), perm)
     if len(perm) == size and len(physical) == 1:   # a full permutation of a vmapped name
         return lax.ppermute(x, physical[0], perm)
     # Otherwise positionally (JAX's ppermute asserts over several vmapped axes,
@@ -349,6 +360,25 @@ def ppermute(x: ArrayLike, axis_name: AxisNames,
     everyone = all_gather(x, axis_name, axis=0, tiled=False)
     received = lax.dynamic_index_in_dim(everyone, jnp.maximum(mine, 0), 0, keepdims=False)
     return jnp.where(mine >= 0, received, jnp.zeros_like(received))
+
+
+def _perm_in_mesh_order(mesh_names: tuple, perm: list) -> tuple[tuple, list]:
+    """``(names, perm)`` with the mesh axes in the mesh's order and ``perm``'s
+    positions renumbered for it. JAX's ppermute over shard_map axes numbers
+    positions in mesh order whatever the order of the names given (t04:
+    {'a': ('y', 'x')} on an ('x', 'y') mesh), while axis_index, all_gather and
+    the logical position go major to minor in the order given."""
+    mesh_axes = jax.sharding.get_abstract_mesh().axis_names
+    ordered = tuple(sorted(mesh_names, key=mesh_axes.index))
+    if ordered == tuple(mesh_names):
+        return ordered, perm
+    sizes = [_axis_env.physical_axis_size(n) for n in mesh_names]
+    moved = [mesh_names.index(n) for n in ordered]
+
+    def renumber(position: int) -> int:
+        digits = np.unravel_index(position, sizes)
+        return int(np.ravel_multi_index([digits[i] for i in moved], [sizes[i] for i in moved]))
+    return ordered, [(renumber(src), renumber(dst)) for src, dst in perm]
 
 
 def _check_perm(perm, axis_name, size) -> list[tuple[int, int]]:
@@ -374,6 +404,7 @@ def _check_perm(perm, axis_name, size) -> list[tuple[int, int]]:
 
 
 def _position_parts(axis_name, op: str):
+    _axis_env.refuse_nested(axis_name, op=op)
     names = _axis_env.as_name_tuple(axis_name)
     physical = _axis_env.resolve(names, op=op, allow_loop=True)
     _axis_env.split_vmap_and_mesh(physical, op=op)   # every physical name is bound here
@@ -497,34 +528,47 @@ def _check_not_size_0(name, size: int, op: str) -> None:
 def tile(x: ArrayLike, axes: Tiling) -> jax.Array:
     """This position's tile of ``x`` (replicated over the names) along each
     ``{name: dim}``: ``x`` split into ``axis_size(name)`` equal tiles along
-    ``dim``. No communication: the inverse of ``untile``."""
+    ``dim``. A key may be a tuple of names (major to minor), as in ``untile``.
+    No communication: the inverse of ``untile``."""
     x = _check_tiling(x, axes, "tile")
-    for name, dim in axes.items():
+    for key, dim in axes.items():
         dim %= x.ndim
-        size = axis_size(name)
-        _check_not_size_0(name, size, "tile")
+        size = axis_size(key)
+        _check_not_size_0(key, size, "tile")
         if x.shape[dim] % size:
             raise NxopsError(f"nx.tile: dim {dim} of x (shape {x.shape}) has size {x.shape[dim]}, "
-                             f"not divisible by the size {size} of {name!r}.")
-        physical, vmap_names, mesh_names = _physical(name, "tile", allow_loop=True)
+                             f"not divisible by the size {size} of {key!r}.")
+        _, vmap_names, mesh_names = _physical(key, "tile", allow_loop=True)
         fused = _tile_as_reduce_scatter(x, mesh_names, dim) if mesh_names else None
         if fused is not None:
             x = fused
-        elif mesh_names or not vmap_names:  # major part first: this device's tile
-            count = math.prod(map(_axis_env.physical_axis_size, mesh_names)) if vmap_names else size
-            axes_here = mesh_names or physical
-            index = lax.axis_index(_one_or_tuple(axes_here))
-            x = tile_p.bind(x, index.astype(jnp.int32), dim=dim, count=count,
-                            kernels=selection_param())
-        steps = [p for p in _axis_env.position_parts((name,), op="nx.tile") if p.index is not None]
-        if steps:  # then this loop step's tile (loops sit between mesh axes and the tile)
-            step = jnp.int32(0)
-            for p in steps:
-                step = step * p.size + p.index.astype(jnp.int32)
-            x = tile_p.bind(x, step, dim=dim, count=math.prod(p.size for p in steps),
-                            kernels=selection_param())
-        if vmap_names:
-            x = _along_vmap_names(x, "tile", vmap_names, dim)
+            continue
+        # Tile i*n_b + j over ('a', 'b') is sub-tile j of tile i: one name at a time.
+        for name in _axis_env.as_name_tuple(key):
+            x = _tile_one_name(x, name, dim)
+    return x
+
+
+def _tile_one_name(x, name, dim: int):
+    """``nx.tile`` over one logical name: the mesh part first (this device's
+    tile), then this loop step's, then the vmap tile's."""
+    size = axis_size(name)
+    physical, vmap_names, mesh_names = _physical(name, "tile", allow_loop=True)
+    if mesh_names or not vmap_names:
+        count = math.prod(map(_axis_env.physical_axis_size, mesh_names)) if vmap_names else size
+        axes_here = mesh_names or physical
+        index = lax.axis_index(_one_or_tuple(axes_here))
+        x = tile_p.bind(x, index.astype(jnp.int32), dim=dim, count=count,
+                        kernels=selection_param())
+    steps = [p for p in _axis_env.position_parts((name,), op="nx.tile") if p.index is not None]
+    if steps:  # loops sit between the mesh axes and the tile
+        step = jnp.int32(0)
+        for p in steps:
+            step = step * p.size + p.index.astype(jnp.int32)
+        x = tile_p.bind(x, step, dim=dim, count=math.prod(p.size for p in steps),
+                        kernels=selection_param())
+    if vmap_names:
+        x = _along_vmap_names(x, "tile", vmap_names, dim)
     return x
 
 

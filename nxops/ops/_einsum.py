@@ -22,7 +22,8 @@ from nxops.kernels.xla import collectives as xla_collectives
 from nxops.ops import _axis_env, _fusion
 from nxops.ops._collectives import _mesh_platform
 from nxops.ops._dot import bind_dot_general
-from nxops.ops._einsum_spec import ELLIPSIS, EinsumSpec, Term, parse_einsum_spec
+from nxops.ops._einsum_spec import (ELLIPSIS, EinsumSpec, Term, omitted_groups,
+                                    parse_einsum_spec, term_text)
 from nxops.ops._primitive import selection_param
 from nxops.ops._reduce import bind_reduce
 from nxops._typing import ArrayLike, AxisNames, DTypeLike, PosDims
@@ -47,11 +48,11 @@ def _expand_ellipsis(spec: EinsumSpec, operands) -> tuple[list[list[str]], list[
         if term.has_ellipsis:
             if ndim < len(term.letters):
                 raise NxopsError(f"nx.einsum {spec.text!r}: an operand of shape {jnp.shape(x)} has "
-                                 f"fewer dims than the letters of {_term_text(term)!r}.")
+                                 f"fewer dims than the letters of {term_text(term)!r}.")
             n_ellipsis = max(n_ellipsis, ndim - len(term.letters))
         elif ndim != len(term.letters):
             raise NxopsError(
-                f"nx.einsum {spec.text!r}: term {_term_text(term)!r} has {len(term.letters)} "
+                f"nx.einsum {spec.text!r}: term {term_text(term)!r} has {len(term.letters)} "
                 f"positional letters but its operand has shape {jnp.shape(x)} (rank {ndim}). "
                 f"Give one letter per positional dim (named axes are not dims of the operand), "
                 f"or use '...'.")
@@ -88,11 +89,6 @@ def _broadcast_ellipsis(spec, operands, labels_per_operand, ellipsis_labels):
                        for label, size in zip(labels, jnp.shape(x)))
         out.append(jnp.broadcast_to(x, target) if target != jnp.shape(x) else x)
     return out
-
-
-def _term_text(term: Term) -> str:
-    names = f"<{','.join(term.names)}>" if term.names else ""
-    return "".join(term.positional) + names
 
 
 def _check_sizes(spec: EinsumSpec, operands, labels_per_operand) -> None:
@@ -227,6 +223,11 @@ def einsum(spec: str, *operands: ArrayLike, precision: PrecisionLike = None,
     mapped to a mesh). Output dtype and ``precision`` as in ``jnp.einsum``.
     """
     parsed = parse_einsum_spec(spec)
+    for name, fixed in omitted_groups(parsed).items():
+        _axis_env.note_varies_hint(name, (
+            f"If it comes from nx.einsum {spec!r}: {name!r} is summed only in the operands "
+            f"whose groups list it, and an operand that omits <{name}> keeps varying along "
+            f"it. To contract {name!r} in every operand, write {fixed!r}."))
     if len(operands) != len(parsed.inputs):
         raise NxopsError(f"nx.einsum {spec!r} has {len(parsed.inputs)} operand terms but was "
                          f"given {len(operands)} operands.")

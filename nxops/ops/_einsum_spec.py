@@ -144,7 +144,41 @@ def parse_einsum_spec(text: str) -> EinsumSpec:
               else _implicit_output(tuple(inputs)))
     spec = EinsumSpec(text, tuple(inputs), output)
     _check_output(spec, arrow)
+    _check_letters_are_not_names(spec)
     return spec
+
+
+def _outside_groups(text: str) -> list[int]:
+    """Positions of the characters of ``text`` that are not inside a group."""
+    positions, closing = [], None
+    for pos, char in enumerate(text):
+        if closing is None and char in _CLOSING:
+            closing = _CLOSING[char]
+        elif closing is not None and char == closing:
+            closing = None
+        elif closing is None:
+            positions.append(pos)
+    return positions
+
+
+def _check_letters_are_not_names(spec: EinsumSpec) -> None:
+    """A name spelled like a positional letter ('<b>b->') gives two axes one
+    spelling, which reads as one axis: refuse, with the spec renamed apart."""
+    text = spec.text
+    names = {n for t in (*spec.inputs, spec.output) for n in t.names}
+    letters = {c for t in (*spec.inputs, spec.output) for c in t.letters}
+    clash = sorted(names & letters)
+    if not clash:
+        return
+    letter = clash[0]
+    outside = [p for p in _outside_groups(text) if text[p] == letter]
+    free = next(c for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                if c not in letters and c not in names)
+    renamed = "".join(free if p in outside else c for p, c in enumerate(text))
+    raise _error(text, outside[0], f"{letter!r} is both a positional letter and a name in a "
+                 f"group (<{letter}>)",
+                 f"A letter is a positional dim and a name in <...> a named axis; give them "
+                 f"different spellings, e.g. {renamed!r}.")
 
 
 def _check_output(spec: EinsumSpec, arrow: int) -> None:
@@ -162,3 +196,25 @@ def _check_output(spec: EinsumSpec, arrow: int) -> None:
                          "operands are contracted).")
     if spec.output.has_ellipsis and not any(t.has_ellipsis for t in spec.inputs):
         raise _error(text, text.index(ELLIPSIS, arrow), "'...' in the result but in no operand")
+
+
+def term_text(term: Term) -> str:
+    names = f"<{','.join(term.names)}>" if term.names else ""
+    return "".join(term.positional) + names
+
+
+@functools.lru_cache(maxsize=512)
+def omitted_groups(spec: EinsumSpec) -> dict[str, str]:
+    """``{name: spec}`` for each contracted name that some operand's group
+    omits: that operand is not summed over it (docs/xmap.md), which readers
+    of lax.xeinsum specs easily miss; the spec with the name on every operand."""
+    contracted = [n for n in dict.fromkeys(n for t in spec.inputs for n in t.names)
+                  if n not in spec.output.names]
+    fixes = {}
+    for name in contracted:
+        if all(name in t.names for t in spec.inputs):
+            continue
+        terms = [t if name in t.names else Term(t.positional, t.names + (name,))
+                 for t in spec.inputs]
+        fixes[name] = ",".join(map(term_text, terms)) + "->" + term_text(spec.output)
+    return fixes

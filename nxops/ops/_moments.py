@@ -9,7 +9,8 @@ vmapped or on mesh axes.
 """
 from __future__ import annotations
 
-import math
+import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ from jax import lax
 
 from nxops._errors import NxopsError
 from nxops._typing import ArrayLike, Axis
+from nxops.ops._axis_env import physical_axis_size
 from nxops.ops._reduce import _expand, _reduce_resolved, _resolve_axes
 
 _UPCAST = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -56,12 +58,15 @@ def _variance(x: ArrayLike, axis: Axis, ddof, op: str) -> jax.Array:
     compute, dtype = _computation_dtype(x.dtype)
     x = x.astype(compute)
     positional, vmap_names, mesh_names = _resolve_axes(x, axis, op)
-    count = math.prod(x.shape[a] for a in positional)
-    count *= math.prod(lax.axis_size(n) for n in vmap_names + mesh_names)
-    mean = _reduce_resolved(x, positional, vmap_names, mesh_names, "sum") / count
+    # Multiplied one by one: sizes may be symbolic (jax.export).
+    count = functools.reduce(operator.mul, [x.shape[a] for a in positional] +
+                             [physical_axis_size(n) for n in vmap_names + mesh_names], 1)
+    mean = _reduce_resolved(x, positional, vmap_names, mesh_names, "sum") / jnp.asarray(count, compute)
     centered = x - _expand(mean, positional)
     squares = (centered * jnp.conj(centered)).real if jnp.iscomplexobj(centered) \
         else centered * centered
     total = _reduce_resolved(squares, positional, vmap_names, mesh_names, "sum")
-    result = total / jnp.asarray(count - ddof, total.dtype)
+    normalizer = jnp.asarray(count, total.dtype) - jnp.asarray(ddof, total.dtype)
+    # No degrees of freedom left (ddof >= N): nan, as jnp.var.
+    result = jnp.where(normalizer > 0, total / normalizer, jnp.asarray(jnp.nan, total.dtype))
     return result.astype(jnp.finfo(dtype).dtype)   # complex -> its real dtype

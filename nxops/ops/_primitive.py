@@ -40,7 +40,8 @@ def _kernel_params(params: dict, naming_params: Sequence[str]) -> dict:
 
 
 @functools.lru_cache(maxsize=4096)
-def _abstract_eval_cached(reference, avals, items):
+def _abstract_eval_cached(reference, avals, items, x64: bool):
+    del x64   # a cache key only: it changes the reference's promotions (int8 sum: int32/int64)
     params = dict(items)
     fn = lambda *args: [reference(*args, **params)]  # noqa: E731  (a list: one output)
     info = api_util.debug_info("nxops abstract eval", reference, avals, {})
@@ -149,7 +150,8 @@ def kernel_primitive(name: str, op: str, reference: Callable[..., Any],
 
     def abstract_eval(*avals, **params):
         items = tuple(sorted(_kernel_params(params, naming_params).items()))
-        return _abstract_eval_cached(reference, tuple(avals), items)
+        return _abstract_eval_cached(reference, tuple(avals), items,
+                                     bool(jax.config.jax_enable_x64))
 
     prim.def_impl(functools.partial(dispatch.apply_primitive, prim))
     prim.def_abstract_eval(abstract_eval)

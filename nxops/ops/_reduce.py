@@ -222,6 +222,7 @@ _MESH_REDUCERS = {   # (sum is handled first: it records the partial for sum-the
 
 def _split_axis_argument(x, axis, *, op: str) -> tuple[tuple[int, ...], tuple]:
     """(positional axes normalised to non-negative, names) from ``axis``."""
+    _axis_env.refuse_nested(axis, op=f"nx.{op}")
     items = axis if isinstance(axis, (tuple, list)) else (axis,)
     ndim = jnp.ndim(x)
     positional, names = [], []
@@ -275,8 +276,8 @@ def _reduce_resolved(x, positional, vmap_names, mesh_names, op: str):
     if positional or vmap_names:
         y = bind_reduce(y, axes=positional, op=op, axis_names=vmap_names,
                         kernels=selection_param())
-    elif op == "logsumexp" and not jnp.issubdtype(y.dtype, jnp.inexact):
-        y = y.astype(jnp.result_type(float))
+    else:   # the local reduction's dtype (sum: int8 -> int32, as jnp) on every placement
+        y = y.astype(_reduced_dtype(y.dtype, op))
     if not mesh_names:
         return y
     if op in ("max", "min") and jnp.issubdtype(y.dtype, jnp.complexfloating):
@@ -296,6 +297,19 @@ def _reduce_resolved(x, positional, vmap_names, mesh_names, op: str):
     if op == "logsumexp":
         return _mesh_logsumexp(y, mesh_names)
     return _mesh_prod(y, mesh_names)
+
+
+def _reduced_dtype(dtype, op: str):
+    """The dtype of ``op`` over positional axes of a ``dtype`` value: the
+    reference kernel's (jnp's), under the x64 setting in force."""
+    return _reduced_dtype_cached(jnp.dtype(dtype), op, bool(jax.config.jax_enable_x64))
+
+
+@functools.lru_cache(maxsize=256)
+def _reduced_dtype_cached(dtype, op: str, x64: bool):
+    del x64   # a cache key only: it changes jnp's promotions
+    reference = functools.partial(xla_reduce.reduce, axes=(0,), op=op)
+    return jax.eval_shape(reference, jax.ShapeDtypeStruct((1,), dtype)).dtype
 
 
 def _check_extremum_not_empty(x, axis, positional, vmap_names, op: str, public: str):
@@ -360,6 +374,7 @@ def mean(x: ArrayLike, axis: Axis) -> jax.Array:
 
 
 def _names_only(axis_name, op: str):
+    _axis_env.refuse_nested(axis_name, op=f"nx.{op}")
     names = _axis_env.as_name_tuple(axis_name)
     for n in names:
         if isinstance(n, int):

@@ -34,7 +34,7 @@ from nxops._jax import pin_constant as _pin_constant
 from nxops._jax import spmd_axis_names
 from nxops._errors import NxopsError
 from nxops.kernels.xla.collectives import CPU_UNSAFE_DTYPES
-from nxops.ops._axis_env import InternalAxisName, TileAxisName, loop_step
+from nxops.ops._axis_env import InternalAxisName, TileAxisName, loop_step, varies_hint
 from nxops.ops._collectives import _mesh_platform
 from nxops.xmap._plan import Plan, check_shared_resources
 from nxops.xmap._raw_lax import raw_lax_error
@@ -122,7 +122,7 @@ def _varies_error(outputs: _Outputs, j: int, name: str) -> NxopsError:
         f"One of xmap results (out{outputs.paths[j]}) has an out_axes specification of "
         f"{spec.user_repr}, but it varies along the named axis {name!r}, which that "
         f"specification omits. Add {name!r} to its out_axes, or reduce over it in the "
-        f"body (e.g. nx.sum(x, {name!r}) or nx.psum(x, {name!r})).")
+        f"body (e.g. nx.sum(x, {name!r}) or nx.psum(x, {name!r})). {varies_hint(name)}".rstrip())
 
 
 def _level_name(vmap_name, plan: Plan):

@@ -28,8 +28,23 @@ def axis_index(name):
     return lax.axis_index(name)
 
 
+def _all_gather(x, name, *, axis=0, tiled=False):
+    """``lax.all_gather``; over a name with no positions, its (empty) result
+    itself: JAX's transpose of all_gather batched over a size-0 name (a
+    gradient inside the body) divides by the size."""
+    if axis_size(name) == 0:
+        x = jnp.asarray(x)
+        shape = list(x.shape)
+        if tiled:
+            shape[axis] = 0
+        else:
+            shape.insert(axis, 0)
+        return jnp.zeros(shape, x.dtype)
+    return lax.all_gather(x, name, axis=axis, tiled=tiled)
+
+
 def _gather(x, name):
-    return lax.all_gather(x, name)
+    return _all_gather(x, name)
 
 
 def _here(G, name):
@@ -93,12 +108,12 @@ def pdot(x, y, name, *, pos_contract=((), ())):
 
 
 def all_gather(x, name, *, axis=0, tiled=False):
-    return lax.all_gather(x, name, axis=axis, tiled=tiled)
+    return _all_gather(x, name, axis=axis, tiled=tiled)
 
 
 def untile(x, spec):
     ((name, dim),) = spec.items()
-    return lax.all_gather(x, name, axis=dim, tiled=True)
+    return _all_gather(x, name, axis=dim, tiled=True)
 
 
 def tile(x, spec):

@@ -80,12 +80,8 @@ def _on_mesh(placement):
 # The defects this oracle finds that are known and being fixed (repro ids of
 # ../shared/repros/). Delete an entry once its fix is merged (its xfail test
 # then passes); the cases return to the main tests.
-KNOWN_DEFECTS = {
-    # zero sizes (issue 20): the transpose of all_gather/untile over a size-0 name divides by zero
-    "z_gather_grad_inside": Defect(ops=_f("all_gather", "untile"), sizes=_f(0),
-                                   transforms=_f("grad_inside")),
-    "z_gather_on_mesh": Defect(ops=_f("all_gather", "untile"), sizes=_f(0), placements=_on_mesh),
-}
+KNOWN_DEFECTS = {}
+
 
 PROFILE = os.environ.get("NXOPS_ORACLE_PROFILE", "ci")
 _NO_SHRINK = (hypothesis.Phase.explicit, hypothesis.Phase.reuse, hypothesis.Phase.generate)

@@ -264,6 +264,32 @@ def test_o10_extremum_grad_inside_of_a_per_position_size_0_value(op, resources):
     assert got.shape == (8, 0) and got.dtype == np.float32
 
 
+# --- z_gather: all_gather / untile over a size-0 name, grad inside the body --------
+
+
+@pytest.mark.parametrize("op", ["all_gather", "untile", "gather_twice"])
+@pytest.mark.parametrize("mesh_shape,resources", [((8,), {}), ((8,), {"a": "x"}),
+                                                  ((2, 4), {"a": "x"})],
+                         ids=["none", "mesh8", "part_of_mesh"])
+def test_z_gather_grad_inside_over_a_size_0_name(op, mesh_shape, resources):
+    """The layout primitive's transpose (a scatter) recovered the per-position
+    size as gathered // size, which a size-0 name cannot give back
+    (ZeroDivisionError; found by the composed oracle: cond[all_gather, untile],
+    n=0). It now carries the size. No positions: an empty result per shape."""
+    gathers = {"all_gather": lambda u: nx.all_gather(u, "a", axis=1),
+               "untile": lambda u: nx.untile(u, {"a": 0}),
+               "gather_twice": lambda u: nx.all_gather(nx.untile(u, {"a": 1}), "a")}
+
+    def body(v):
+        return jax.grad(lambda v: jnp.sum(jnp.sin(gathers[op](v))))(v)
+    x = jnp.zeros((0, 3, 4), jnp.float32)
+    with jax.set_mesh(_mesh(mesh_shape, ("x", "y")[:len(mesh_shape)])):
+        f = nx.xmap(body, [["a", ...]], ["a", ...], axis_resources=resources)
+        got = np.asarray(f(x))
+        jitted = np.asarray(jax.jit(f)(x))
+    assert got.shape == jitted.shape == (0, 3, 4) and got.dtype == np.float32
+
+
 # --- o08, o09: named ops inside a jax.custom_jvp, grad outside or jvp ---------
 # JAX traces the custom rule lazily, under the outer grad/jvp, after xmap's
 # context is gone: the rule's ops find the names only from xmap's vmap levels.
