@@ -27,7 +27,8 @@ from nxops.xmap._resources import loops_in_scope
 from nxops.xmap._rules import check_rules, current_axis_rules, resources_from_rules
 from nxops.xmap._specs import (AxisSpec, broadcast_specs, infer_axis_sizes, parse_spec_tree,
                                spec_names)
-from nxops.xmap._variance import analyse_body, check_uniform_trip_counts, closed_over_constants
+from nxops.xmap._variance import (analyse_body, check_uniform_trip_counts, closed_over_constants,
+                                  runs_without)
 
 # The meshes in scope when the enclosing xmap was called (None: no enclosing xmap).
 _ENCLOSING_MESH: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
@@ -79,13 +80,9 @@ class XmapFunction:
                 f"All axis names appearing in out_axes must also appear in in_axes or "
                 f"axis_sizes, but the following are missing: {', '.join(map(repr, missing))} "
                 f"(out_axes={out_axes!r}). Give their sizes with axis_sizes={{name: size}}.")
-        unused = [n for n in self._axis_sizes if n not in in_names + out_names]
-        if unused:
-            # Likely a misspelled name: a size nothing uses would define a name silently.
-            raise NxopsError(
-                f"axis_sizes={self._axis_sizes!r} gives the size of {', '.join(map(repr, unused))}, "
-                f"which no in_axes or out_axes names (in_axes={_quote(in_axes)}, "
-                f"out_axes={_quote(out_axes)}). Remove it, or check the spelling of the names.")
+        # Names only the body may use (old xmap: `lax.psum(x, 'i')` with
+        # axis_sizes={'i': 4}); checked once the body is traced (_check_body_uses).
+        self._body_only_names = [n for n in self._axis_sizes if n not in in_names + out_names]
         self._names = defined
         # A rule table resolves now; no axis_resources at all follows the
         # nx.axis_rules(...) in scope at each call (part of the context key).
@@ -186,6 +183,9 @@ class XmapFunction:
         def run(*args):
             nested = _ENCLOSING_MESH.get() is not None
             plan, flat_specs = self._plan(args, mesh, resources)
+            if self._body_only_names:
+                with _enclosing_mesh():
+                    self._check_body_uses(plan, args, flat_specs)
             with _enclosing_mesh():
                 variance = analyse_body(self._fun, plan, jax.tree.structure(args),
                                         jax.tree.leaves(args), flat_specs)
@@ -212,6 +212,20 @@ class XmapFunction:
         if mesh is None or _names_mesh_axes(resources, mesh) or jax.process_count() > 1:
             return on_mesh
         return _OffMesh(mesh, jitted, on_mesh)
+
+    def _check_body_uses(self, plan: Plan, args: tuple, flat_specs: list) -> None:
+        """A name that only ``axis_sizes`` gives and that the body does not use
+        either is likely misspelled: it would define a name silently."""
+        tree, leaves = jax.tree.structure(args), jax.tree.leaves(args)
+        unused = [n for n in self._body_only_names
+                  if runs_without(self._fun, plan, [n], tree, leaves, flat_specs)]
+        if unused:
+            raise NxopsError(
+                f"axis_sizes={self._axis_sizes!r} gives the size of "
+                f"{', '.join(map(repr, unused))}, which no in_axes or out_axes names "
+                f"(in_axes={_quote(self._user_in_axes)}, out_axes={_quote(self._user_out_axes)}) "
+                f"and no collective or named op of the body uses. Remove it, or check the "
+                f"spelling of the names.")
 
     def _trace(self, program, plan: Plan, tree, leaves: list, flat_specs: list, nested: bool):
         """``program(*leaves)``; on a mesh, retraced once if the body closes over

@@ -14,7 +14,6 @@ def test_t01_fg_custom_vjp_compiles_like_plain_psum():
     assert lines[-1] == "OK" and code == 0, lines
 
 
-@OPEN
 def test_t02_axis_sizes_for_a_body_only_name():
     code, lines = exit_code_and_lines("t02_axis_sizes_body_only_name.py")
     assert lines == ["got: 16, expected: 16"] and code == 0, lines

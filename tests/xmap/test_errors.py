@@ -315,9 +315,16 @@ def test_spec_listing_more_dims_than_the_argument_has():
         f(jnp.ones((2, 3)))
 
 
-def test_axis_sizes_for_a_name_no_spec_uses():
-    with _raises(r"axis_sizes=\{'zz': 3\} gives the size of 'zz', which no in_axes or out_axes"):
-        xmap(lambda x: x, ["a", ...], ["a", ...], axis_sizes={"zz": 3})
+@pytest.mark.parametrize("resources", [None, {"a": "x", "zz": "y"}])
+def test_axis_sizes_for_a_name_nothing_uses(mesh, resources):
+    # Likely misspelled: neither the specs nor the body use it (known once traced).
+    f = xmap(lambda x: x * 2, ["a", ...], ["a", ...], axis_sizes={"zz": 2},
+             axis_resources=resources)
+    with jax.set_mesh(mesh), _raises(
+            r"axis_sizes=\{'zz': 2\} gives the size of 'zz', which no in_axes or out_axes "
+            r"names \(in_axes=\['a', \.\.\.\], out_axes=\['a', \.\.\.\]\) and no collective "
+            r"or named op of the body uses\. Remove it, or check the spelling"):
+        f(jnp.ones((4, 3)))
 
 
 def test_donate_argnums_beyond_the_arguments():

@@ -66,6 +66,19 @@ def test_output_only_name_is_broadcast():
     close(f(A[0]), np.broadcast_to(A[0] * 2, (3,) + A[0].shape))
 
 
+@pytest.mark.parametrize("resources", [None, {"i": "y"}, {"i": ("x", "y")}])
+def test_axis_sizes_for_a_name_only_the_body_uses(resources):
+    # Old xmap (JAX's testCollectiveOverNoName): psum over a name no spec has.
+    def body(x):
+        return nx.psum(x ** 2, "i") + nx.pmax(nx.axis_index("i"), "i") * nx.axis_size("i")
+    f = xmap(body, ["a", ...], ["a", ...], axis_sizes={"i": 8}, axis_resources=resources)
+    x = A[:2, 0]
+    with jax.set_mesh(jax.make_mesh((2, 4), ("x", "y"))):
+        close(f(x), 8 * x ** 2 + 7 * 8)
+    raw = xmap(lambda: lax.psum(jnp.array(2) ** 2, "i"), {}, {}, axis_sizes={"i": 4})
+    assert int(raw()) == 16
+
+
 def test_raw_lax_psum_over_a_vmapped_name():
     f = xmap(lambda x: lax.psum(x, "a") - lax.pmax(x, "a"), ["a", ...], [...])
     close(f(A), A.sum(0) - A.max(0))
