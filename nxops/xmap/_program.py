@@ -450,9 +450,23 @@ def _over_mesh(local_program: Callable, plan: Plan, in_specs: list[AxisSpec],
         results = iter(jax.shard_map(sharded, mesh=mesh, in_specs=in_pspecs, out_specs=out_specs,
                                      axis_names=axis_names, check_vma=False)(
                                          *[x for x, _ in passed]))
-        return [next(results) if e is None else jnp.zeros(e.shape, e.dtype)
-                for e in empty_results]
+        results = [next(results) if e is None else jnp.zeros(e.shape, e.dtype)
+                   for e in empty_results]
+        if manual or spmd_axis_names():
+            return results
+        return [_constrain_on_auto_axes(x, plan, s) for x, s in zip(results, outputs.specs)]
     return program
+
+
+def _constrain_on_auto_axes(x, plan: Plan, spec: AxisSpec):
+    """A result, sharded per the plan over a mesh of Auto axes (the legacy
+    ``with mesh:``): the shard_map fixes only the plan's axes, and the
+    partitioner would otherwise keep a nested xmap's sharding over the other
+    ones (t03). On Explicit axes the result's type already says the plan's."""
+    if any(t == AxisType.Explicit for t in plan.mesh.axis_types):
+        return x
+    return lax.with_sharding_constraint(
+        x, NamedSharding(plan.mesh, plan.partition_spec(spec, x.ndim)))
 
 
 def _narrowed_dtype(x, pspec, axis_names: frozenset):

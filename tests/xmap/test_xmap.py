@@ -250,6 +250,25 @@ def test_nested_xmap_uses_outer_names():
         close(g(A), A.sum((0, 1)))
 
 
+@pytest.mark.filterwarnings("ignore:.*context manager has been deprecated")
+@pytest.mark.parametrize("enter", ["with mesh", "jax.set_mesh"])
+def test_nested_results_under_an_auto_mesh_are_sharded_per_the_plan(enter):
+    # The outer plan puts dim 0 on 'y'; the inner name's 'x' must not leak (t03).
+    def outer_body(x):
+        inner = xmap(lambda y: (jnp.sin(y), nx.psum(y, ("a", "b"))), ["b", ...],
+                     (["b", ...], [...]), axis_resources={"b": "x"})
+        return inner(x * 2)
+    f = xmap(outer_body, [None, "a", ...], (["a", ...], [...]), axis_resources={"a": "y"})
+    mesh = jax.make_mesh((2, 2), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+    x = RNG.standard_normal((4, 2, 5)).astype(np.float32)
+    with (mesh if enter == "with mesh" else jax.set_mesh(mesh)):
+        sines, total = f(x)
+    close(sines, np.sin(2 * x).transpose(1, 0, 2))
+    close(total, 2 * x.sum((0, 1)))
+    assert sines.sharding.is_equivalent_to(NamedSharding(mesh, P("y")), sines.ndim)
+    assert total.sharding.is_equivalent_to(NamedSharding(mesh, P()), total.ndim)
+
+
 def test_grad_vmap_and_jit_of_xmapped():
     f = xmap(lambda x, w: nx.sum(jnp.tanh(x @ w), ("a", "b")).sum(), LOOP_PROGRAM_IN, [...])
     pos = lambda x, w: jnp.tanh(jnp.einsum("abj,bjk->abk", x, w)).sum()
