@@ -302,10 +302,15 @@ class XmapFunction:
         plan, flat_specs = self._plan(args, mesh, self._resources_for(rules))
         devices = set(mesh.devices.flat)
 
-        def target(x, spec):
+        def move(x, spec):
+            if not x.sharding.device_set <= devices:
+                # JAX cannot slice an array straight from devices outside the
+                # mesh onto an Explicit one ("Length of device assignment 1 is
+                # not equal to the size of the mesh", t08): one hop first.
+                x = jax.device_put(x, SingleDeviceSharding(mesh.devices.flat[0]))
             pspec = plan.partition_spec(spec, x.ndim) if plan.mesh is not None else PartitionSpec()
-            return NamedSharding(mesh, pspec)
-        leaves = [jax.device_put(x, target(x, spec)) if c and x.sharding.device_set != devices else x
+            return jax.device_put(x, NamedSharding(mesh, pspec))
+        leaves = [move(x, spec) if c and x.sharding.device_set != devices else x
                   for x, spec, c in zip(leaves, flat_specs, committed)]
         return jax.tree.unflatten(tree, leaves)
 

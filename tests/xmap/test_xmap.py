@@ -223,6 +223,24 @@ def test_inputs_unsharded_committed_or_sharded(axis_type):
             close(f(x), want)
 
 
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=str)
+def test_inputs_committed_to_devices_outside_the_mesh(axis_type):
+    # docs/xmap.md: such inputs are device_put onto the mesh first (t08).
+    mesh = jax.make_mesh((2, 2), ("x", "y"), devices=jax.devices()[:4],
+                         axis_types=(axis_type,) * 2)
+    others = jax.make_mesh((2, 2), ("x", "y"), devices=jax.devices()[4:])
+    f = xmap(lambda x: x * 2 + nx.sum(x, "a"), ["a", ...], ["a", ...],
+             axis_resources={"a": "x"})
+    want = A * 2 + A.sum(0)
+    with jax.set_mesh(mesh):
+        made_here = jnp.asarray(A) * 1   # computed under the mesh, as in t08
+        for x in (jax.device_put(made_here, jax.devices()[7]),
+                  jax.device_put(made_here, NamedSharding(others, P("x", "y")))):
+            got = f(x)
+            close(got, want)
+            assert got.sharding.is_equivalent_to(NamedSharding(mesh, P("x")), got.ndim)
+
+
 @pytest.mark.filterwarnings("ignore:.*context manager has been deprecated")
 def test_legacy_mesh_context():
     mesh = jax.make_mesh((4, 2), ("x", "y"))
