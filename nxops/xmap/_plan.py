@@ -79,6 +79,8 @@ class Plan:
         for dim in range(ndim):
             axes = self.axis(by_pos[dim]).mesh_axes if dim in by_pos else ()
             entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        while entries and entries[-1] is None:   # as users write them: P('x'), not P('x', None)
+            entries.pop()
         return PartitionSpec(*entries)
 
     def logical_axes(self) -> dict[str, LogicalAxis]:

@@ -151,7 +151,7 @@ class XmapFunction:
     def lower(self, *args: Any) -> jax.stages.Lowered:
         """Lowers for these arguments (``.compile()``, ``.as_text()``, ...)."""
         try:
-            return self._jitted().lower(*self._place_on_mesh(args))
+            return self._jitted().lower(*self._typed_per_plan(self._place_on_mesh(args)))
         except TypeError as e:
             raise _non_array_argument_error(args) or e
 
@@ -293,26 +293,58 @@ class XmapFunction:
     def _place_on_mesh(self, args: tuple) -> tuple:
         """``device_put`` committed inputs that live on devices outside the mesh:
         per the plan, or replicated when the plan maps nothing to the mesh."""
-        mesh = mesh_in_scope()
         leaves, tree = jax.tree.flatten(args)
         committed = [isinstance(x, _ArrayImpl) and x.committed for x in leaves]
-        if mesh is None or not any(committed) or _mesh_lib.get_abstract_mesh().manual_axes:
+        targets = self._shardings_per_plan(args) if any(committed) else None
+        if targets is None:
             return args
-        rules = current_axis_rules() if self._follows_rule_context else None
-        plan, flat_specs = self._plan(args, mesh, self._resources_for(rules))
-        devices = set(mesh.devices.flat)
+        shardings, _ = targets
+        devices = set(shardings[0].mesh.devices.flat) if shardings else set()
 
-        def move(x, spec):
+        def move(x, sharding):
             if not x.sharding.device_set <= devices:
                 # JAX cannot slice an array straight from devices outside the
                 # mesh onto an Explicit one ("Length of device assignment 1 is
                 # not equal to the size of the mesh", t08): one hop first.
-                x = jax.device_put(x, SingleDeviceSharding(mesh.devices.flat[0]))
-            pspec = plan.partition_spec(spec, x.ndim) if plan.mesh is not None else PartitionSpec()
-            return jax.device_put(x, NamedSharding(mesh, pspec))
-        leaves = [move(x, spec) if c and x.sharding.device_set != devices else x
-                  for x, spec, c in zip(leaves, flat_specs, committed)]
+                x = jax.device_put(x, SingleDeviceSharding(sharding.mesh.devices.flat[0]))
+            return jax.device_put(x, sharding)
+        leaves = [move(x, sharding) if c and x.sharding.device_set != devices else x
+                  for x, sharding, c in zip(leaves, shardings, committed)]
         return jax.tree.unflatten(tree, leaves)
+
+    def _typed_per_plan(self, args: tuple) -> tuple:
+        """For ``lower``: the inputs that carry no sharding of their own
+        (NumPy arrays, scalars, uncommitted arrays, bare ShapeDtypeStructs), as
+        ShapeDtypeStructs sharded per the plan on the mesh, so the compiled
+        program's ``input_shardings`` are NamedShardings with the plan's specs,
+        as ``jax.jit(..., in_shardings=...)`` gives (not bare GSPMDShardings)."""
+        targets = self._shardings_per_plan(args)
+        if targets is None or not targets[1]:   # no mesh, or the plan uses no mesh axis
+            return args
+        leaves, tree = jax.tree.flatten(args)
+
+        def typed(x, sharding):
+            if (isinstance(x, _ArrayImpl) and x.committed) or getattr(x, "sharding", None):
+                return x
+            aval = jax.typeof(x)
+            return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding,
+                                        weak_type=aval.weak_type)
+        return jax.tree.unflatten(tree, [typed(x, s) for x, s in zip(leaves, targets[0])])
+
+    def _shardings_per_plan(self, args: tuple) -> tuple[list[NamedSharding], bool] | None:
+        """(each input's sharding per the plan on the mesh in scope, replicated
+        where the plan maps nothing to the mesh; whether the plan uses mesh
+        axes), or None without a mesh or inside a manual region."""
+        mesh = mesh_in_scope()
+        if mesh is None or _mesh_lib.get_abstract_mesh().manual_axes:
+            return None
+        rules = current_axis_rules() if self._follows_rule_context else None
+        plan, flat_specs = self._plan(args, mesh, self._resources_for(rules))
+        shapes = [_shape(x) for x in jax.tree.leaves(args)]
+        on_mesh = plan.mesh is not None
+        return [NamedSharding(mesh, plan.partition_spec(spec, len(shape)) if on_mesh
+                              else PartitionSpec())
+                for shape, spec in zip(shapes, flat_specs)], on_mesh
 
 
 def _closed_over_error(constants: list, plan: Plan) -> NxopsError:
