@@ -7,7 +7,7 @@ from typing import Any, Callable
 import jax
 from jax.extend import core as jex_core
 
-from nxops._errors import NxopsError
+from nxops._platforms import normalize_platform
 from nxops.kernels import _registry
 
 
@@ -41,18 +41,6 @@ class Explanation:
         return "\n".join([head, *rows, *(["kernels:", *legend] if legend else [])])
 
 
-def _platform_name(platform: str) -> str:
-    """The registry's name for ``platform``: JAX says "gpu" for CUDA devices
-    (``jax.default_backend()`` on an NVIDIA machine), the registry "cuda"."""
-    name = str(platform).lower()
-    name = "cuda" if name == "gpu" else name
-    if name not in _registry.PLATFORMS:
-        raise NxopsError(
-            f"nx.kernels.explain: unknown platform {platform!r}. Use one of "
-            f"{', '.join(map(repr, _registry.PLATFORMS))} ('gpu' means 'cuda').")
-    return name
-
-
 def explain(fn: Callable[..., Any], *args: Any, platform: str | None = None,
             **kwargs: Any) -> Explanation:
     """Traces and lowers ``fn(*args, **kwargs)`` for ``platform`` (default: the
@@ -61,7 +49,8 @@ def explain(fn: Callable[..., Any], *args: Any, platform: str | None = None,
     Lowering for another platform works on CPU, so ``platform="cuda"`` (or
     ``"gpu"``) or ``"tpu"`` shows what would run there. Nothing is executed.
     """
-    platform = _platform_name(platform or jax.default_backend())
+    # JAX says "gpu" for CUDA devices (jax.default_backend()), the registry "cuda".
+    platform = normalize_platform(platform or jax.default_backend(), "nx.kernels.explain")
     with _registry.collect_reports(platform) as reports:
         closed = jax.make_jaxpr(fn)(*args, **kwargs)
         # A fresh function object, so that no cached lowering skips the rules.

@@ -17,6 +17,7 @@ from nxops._jax import legacy_mesh_context as _legacy_meshes   # what `with mesh
 from nxops._jax import mesh_lib as _mesh_lib
 from nxops._jax import spmd_axis_names
 from nxops._errors import NxopsError
+from nxops._platforms import normalize_platform
 from nxops._typing import AxisResources
 from nxops.ops._axis_env import (current_logical_axes, current_logical_axes_map, logical_axes,
                                   watch_mesh_ops_in_while)
@@ -96,7 +97,7 @@ class XmapFunction:
                for i in self._donate_argnums):
             raise NxopsError(f"donate_argnums={donate_argnums!r}: give argument positions "
                              f"as ints >= 0.")
-        self._backend = backend
+        self._backend = _checked_backend(backend)
         self._by_context: dict[tuple, Any] = _shared_jits(fun, (
             _hashable_tree(self._in_axes), _hashable_tree(self._out_axes),
             tuple(sorted(self._axis_sizes.items())), tuple(sorted(self._resources.items())),
@@ -206,7 +207,7 @@ class XmapFunction:
             return jax.tree.unflatten(outputs.tree, results)
 
         run.__name__ = getattr(self._fun, "__name__", "xmapped")
-        jit_kwargs = {"backend": self._backend} if self._backend is not None else {}
+        jit_kwargs = {"backend": _present(self._backend)} if self._backend is not None else {}
         jitted = jax.jit(run, donate_argnums=self._donate_argnums, **jit_kwargs)
         on_mesh = jitted if mesh is None or not _concrete_mesh_unset() else _UnderMesh(mesh, jitted)
         if mesh is None or _names_mesh_axes(resources, mesh) or jax.process_count() > 1:
@@ -345,6 +346,31 @@ class XmapFunction:
         return [NamedSharding(mesh, plan.partition_spec(spec, len(shape)) if on_mesh
                               else PartitionSpec())
                 for shape, spec in zip(shapes, flat_specs)], on_mesh
+
+
+def _checked_backend(backend: str | None) -> str | None:
+    """``backend`` as jax.jit takes it (lowercased; 'gpu' stays JAX's alias
+    for whichever GPU platform is present); an unknown name is an NxopsError."""
+    if backend is None:
+        return None
+    normalize_platform(backend, f"nx.xmap(..., backend={backend!r})")
+    return str(backend).lower()
+
+
+def _present(backend: str) -> str:
+    """``backend``, checked present in this process (jax.jit's own error,
+    "Unknown backend: 'gpu'", reads as if the name were wrong)."""
+    try:
+        jax.devices(backend)
+    except RuntimeError as e:
+        platform = normalize_platform(backend, "nx.xmap")
+        alias = " ('gpu' means 'cuda': NVIDIA GPUs)" if backend == "gpu" else ""
+        raise NxopsError(
+            f"nx.xmap(..., backend={backend!r}): this process has no {platform} devices"
+            f"{alias}; JAX's default backend here is {jax.default_backend()!r}. Leave "
+            f"backend unset to run on the default devices, or run where {platform} devices "
+            f"are visible (check jax.devices({backend!r})).") from e
+    return backend
 
 
 def _closed_over_error(constants: list, plan: Plan) -> NxopsError:

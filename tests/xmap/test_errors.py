@@ -411,3 +411,29 @@ def test_raw_psum_on_an_unknown_name():
     with _raises(r"jax.lax.psum over 'nope'.*'nope' is not an axis name bound here "
                  r"\(xmap names: 'batch'\). Use nx.psum"):
         f(jnp.ones((2, 2)))
+
+
+# -- issue 27's bad inputs --------------------------------------------------------
+
+def _has_devices(platform: str) -> bool:
+    try:
+        return bool(jax.devices(platform))
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.skipif(_has_devices("gpu"), reason="a GPU is present: backend='gpu' runs")
+def test_backend_gpu_without_a_gpu_says_gpu_means_cuda():
+    f = xmap(lambda x: x * 2, ["a", ...], ["a", ...], backend="gpu")
+    with _raises(r"nx.xmap\(\.\.\., backend='gpu'\): this process has no cuda devices \('gpu' "
+                 r"means 'cuda': NVIDIA GPUs\); JAX's default backend here is 'cpu'\. Leave "
+                 r"backend unset"):
+        f(jnp.ones(4))
+    assert np.array_equal(xmap(f.__wrapped__, ["a", ...], ["a", ...], backend="CPU")(
+        jnp.arange(4.0)), np.arange(4.0) * 2)
+
+
+def test_unknown_backend_lists_the_platforms():
+    with _raises(r"nx.xmap\(\.\.\., backend='metal'\): unknown platform 'metal'\. Use one of "
+                 r"'cpu', 'cuda', 'rocm', 'tpu' \('gpu' means 'cuda'\)"):
+        xmap(lambda x: x, ["a", ...], ["a", ...], backend="metal")
