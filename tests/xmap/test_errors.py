@@ -437,3 +437,16 @@ def test_unknown_backend_lists_the_platforms():
     with _raises(r"nx.xmap\(\.\.\., backend='metal'\): unknown platform 'metal'\. Use one of "
                  r"'cpu', 'cuda', 'rocm', 'tpu' \('gpu' means 'cuda'\)"):
         xmap(lambda x: x, ["a", ...], ["a", ...], backend="metal")
+
+
+@pytest.mark.parametrize("resources", [None, {"a": "x"}])
+def test_set_mesh_inside_the_body(mesh, resources):
+    def body(x):
+        with jax.set_mesh(mesh):
+            return x * 2
+    f = xmap(body, ["a", ...], ["a", ...], axis_resources=resources)
+    with jax.set_mesh(mesh), _raises(
+            r"jax.set_mesh inside the xmapped function: the body is traced inside jax.jit, where "
+            r"JAX refuses to change the mesh.*Call the xmap under `with jax.set_mesh\(mesh\):` "
+            r"instead, and map names to the mesh's axes with axis_resources"):
+        f(jnp.ones((4, 3)))
