@@ -215,12 +215,30 @@ def test_mesh_axis_already_used_by_enclosing_xmap(mesh):
             outer(np.ones((4, 4)))
 
 
-def test_raw_psum_over_a_looped_name_is_unbound():
-    # A looped name's vmap tile is mangled, so raw lax.psum cannot silently
-    # reduce over one chunk only; the error names nx.psum.
-    f = xmap(lambda x: jax.lax.psum(x, "a"), ["a", ...], [...],
+@pytest.mark.parametrize("raw, nx_op, outside", [(jax.lax.psum, "nx.psum", "jnp.sum"),
+                                                  (jax.lax.pmean, "nx.pmean", "jnp.mean")])
+def test_raw_collective_over_a_looped_name(raw, nx_op, outside):
+    # A looped name's vmap tile is mangled, so a raw collective cannot silently
+    # reduce over one chunk only. The nx op is refused on a loop too (issue 27):
+    # the error says what does work, which the test then follows.
+    body = lambda x: x * 2  # noqa: E731
+    f = xmap(lambda x: raw(body(x), "a"), ["a", ...], [...],
              axis_resources={"a": SerialLoop(2)})
-    with _raises(r"jax.lax.psum over 'a'.*mapped to serial loops .*Use nx.psum"):
+    with _raises(rf"jax.lax.{raw.__name__} over 'a'.*mapped to serial loops .*No collective "
+                 rf"spans a serial loop \({nx_op} is refused there too.*keep 'a' in the value's "
+                 rf"out_axes and reduce the xmap's result outside it \({outside}\(result, "
+                 rf"axis=<the dimension of 'a'>\).*or map 'a' to mesh axes \(or nothing\)"):
+        f(X)
+    kept = xmap(body, ["a", ...], ["a", ...], axis_resources={"a": SerialLoop(2)})
+    got = {"jnp.sum": jnp.sum, "jnp.mean": jnp.mean}[outside](kept(X), axis=0)
+    want = jax.vmap(lambda x: raw(body(x), "a"), axis_name="a", out_axes=None)(X)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
+
+
+def test_axis_index_over_a_looped_name_still_advises_nx():
+    f = xmap(lambda x: x + jax.lax.axis_index("a"), ["a", ...], ["a", ...],
+             axis_resources={"a": SerialLoop(2)})
+    with _raises(r"jax.lax.axis_index over 'a'.*Use nx.axis_index \(same arguments\)"):
         f(X)
 
 
@@ -422,6 +440,7 @@ def _has_devices(platform: str) -> bool:
         return False
 
 
+@pytest.mark.filterwarnings("ignore:backend and device argument on jit is deprecated")
 @pytest.mark.skipif(_has_devices("gpu"), reason="a GPU is present: backend='gpu' runs")
 def test_backend_gpu_without_a_gpu_says_gpu_means_cuda():
     f = xmap(lambda x: x * 2, ["a", ...], ["a", ...], backend="gpu")
