@@ -469,3 +469,20 @@ def test_set_mesh_inside_the_body(mesh, resources):
             r"JAX refuses to change the mesh.*Call the xmap under `with jax.set_mesh\(mesh\):` "
             r"instead, and map names to the mesh's axes with axis_resources"):
         f(jnp.ones((4, 3)))
+
+
+@pytest.mark.parametrize("shared", ["named", "SerialLoop"])
+def test_nested_xmap_on_the_loop_its_enclosing_xmap_loops_over(shared):
+    loop = "l" if shared == "named" else SerialLoop(2)
+    inner = xmap(lambda v: v * 2, ["b", ...], ["b", ...], axis_resources={"b": loop})
+    outer = xmap(lambda v: inner(v), ["a", ...], ["a", ...], axis_resources={"a": loop})
+    with serial_loop("l", 2), _raises(
+            r"axis_resources\['b'\] uses the serial loop '(l|SerialLoop#\d+\(2\))', which the "
+            r"enclosing xmap already loops over for its name 'a'.*Give the inner name another "
+            r"loop"):
+        outer(np.ones((4, 4), np.float32))
+    with serial_loop("l", 2), serial_loop("m", 2):   # the fix the message gives
+        fixed = xmap(lambda v: xmap(lambda w: w * 2, ["b", ...], ["b", ...],
+                                    axis_resources={"b": "m"})(v),
+                     ["a", ...], ["a", ...], axis_resources={"a": loop})
+        np.testing.assert_array_equal(np.asarray(fixed(np.ones((4, 4), np.float32))), 2.0)
