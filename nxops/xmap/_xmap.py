@@ -302,14 +302,8 @@ class XmapFunction:
         shardings, _ = targets
         devices = set(shardings[0].mesh.devices.flat) if shardings else set()
 
-        def move(x, sharding):
-            if not x.sharding.device_set <= devices:
-                # JAX cannot slice an array straight from devices outside the
-                # mesh onto an Explicit one ("Length of device assignment 1 is
-                # not equal to the size of the mesh", t08): one hop first.
-                x = jax.device_put(x, SingleDeviceSharding(sharding.mesh.devices.flat[0]))
-            return jax.device_put(x, sharding)
-        leaves = [move(x, sharding) if c and x.sharding.device_set != devices else x
+        leaves = [jax.device_put(_untyped_by_stale_mesh(x), sharding)
+                  if c and x.sharding.device_set != devices else x
                   for x, sharding, c in zip(leaves, shardings, committed)]
         return jax.tree.unflatten(tree, leaves)
 
@@ -325,7 +319,8 @@ class XmapFunction:
         leaves, tree = jax.tree.flatten(args)
 
         def typed(x, sharding):
-            if (isinstance(x, _ArrayImpl) and x.committed) or getattr(x, "sharding", None):
+            placed = x.committed if isinstance(x, _ArrayImpl) else getattr(x, "sharding", None)
+            if placed:
                 return x
             aval = jax.typeof(x)
             return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding,
@@ -346,6 +341,17 @@ class XmapFunction:
         return [NamedSharding(mesh, plan.partition_spec(spec, len(shape)) if on_mesh
                               else PartitionSpec())
                 for shape, spec in zip(shapes, flat_specs)], on_mesh
+
+
+def _untyped_by_stale_mesh(x):
+    """``x``, copied if its type names a mesh its devices are not (``device_put(y,
+    device)`` of an array made under ``jax.set_mesh`` keeps the mesh in the
+    type): JAX cannot move such an array onto a mesh ("Length of device
+    assignment 1 is not equal to the size of the mesh", t08); the copy, typed
+    on no mesh, moves."""
+    if isinstance(x.sharding, NamedSharding) or jax.typeof(x).sharding.mesh.empty:
+        return x
+    return jax.device_put(x, x.sharding, may_alias=False)
 
 
 def _checked_backend(backend: str | None) -> str | None:

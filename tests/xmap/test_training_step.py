@@ -157,7 +157,8 @@ def test_compiled_shardings_are_the_named_shardings_jax_jit_gives(placement, axi
     # (On Explicit axes computed replicated: jnp cannot contract the sharded dims.)
     replicated = (lambda a: jax.sharding.reshard(a, P())) if explicit else (lambda a: a)
     loss_twin = jax.jit(lambda *a: positional_loss(*map(replicated, a)))
-    cases = ((hidden, hidden_twin, (w1, x), (named(shard), named(batch))),
+    # (Uncommitted jax.Arrays, made before the mesh, have no sharding of their own either.)
+    cases = ((hidden, hidden_twin, (jnp.asarray(w1), jnp.asarray(x)), (named(shard), named(batch))),
              (loss, loss_twin, (w1, w2, wv, x, y),
               (named(shard), named(shard), named(), named(batch), named(batch))))
     with jax.set_mesh(mesh):
