@@ -474,19 +474,21 @@ def _over_mesh(local_program: Callable, plan: Plan, in_specs: list[AxisSpec],
                    for e in empty_results]
         if manual or spmd_axis_names():
             return results
-        return [_constrain_on_auto_axes(x, plan, s) for x, s in zip(results, outputs.specs)]
+        return [constrain_on_auto_mesh(x, plan, s) for x, s in zip(results, outputs.specs)]
     return program
 
 
-def _constrain_on_auto_axes(x, plan: Plan, spec: AxisSpec):
-    """A result, sharded per the plan over a mesh of Auto axes (the legacy
-    ``with mesh:``): the shard_map fixes only the plan's axes, and the
-    partitioner would otherwise keep a nested xmap's sharding over the other
-    ones (t03). On Explicit axes the result's type already says the plan's."""
-    if any(t == AxisType.Explicit for t in plan.mesh.axis_types):
+def constrain_on_auto_mesh(x, plan: Plan, spec: AxisSpec):
+    """A top-level result, sharded per the plan over a mesh of Auto axes (the
+    legacy ``with mesh:``): the shard_map fixes only the plan's axes (and a
+    plan without mesh axes none), and the partitioner would otherwise keep a
+    nested xmap's sharding over the other ones (t03). On Explicit axes the
+    result's type already says the plan's; off a mesh there is nothing to say."""
+    mesh = plan.mesh if plan.mesh is not None else jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.manual_axes or AxisType.Explicit in tuple(mesh.axis_types):
         return x
-    return lax.with_sharding_constraint(
-        x, NamedSharding(plan.mesh, plan.partition_spec(spec, x.ndim)))
+    pspec = plan.partition_spec(spec, x.ndim) if plan.mesh is not None else PartitionSpec()
+    return lax.with_sharding_constraint(x, NamedSharding(mesh, pspec))
 
 
 def _narrowed_dtype(x, pspec, axis_names: frozenset):

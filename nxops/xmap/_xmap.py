@@ -23,7 +23,8 @@ from nxops.ops._axis_env import (current_logical_axes, current_logical_axes_map,
                                   watch_mesh_ops_in_while)
 from nxops.xmap._plan import (Plan, check_shared_resources, mesh_in_scope,
                               normalize_axis_resources, off_mesh, plan_axis_resources)
-from nxops.xmap._program import build_program, explicit_mesh_constants, pinned_constants
+from nxops.xmap._program import (build_program, constrain_on_auto_mesh, explicit_mesh_constants,
+                                 pinned_constants)
 from nxops.xmap._resources import loops_in_scope
 from nxops.xmap._rules import check_rules, current_axis_rules, resources_from_rules
 from nxops.xmap._specs import (AxisSpec, broadcast_specs, infer_axis_sizes, parse_spec_tree,
@@ -168,7 +169,9 @@ class XmapFunction:
         # Equal probes give equal keys, so the probe may stand for the key.
         _, _, loops, names, rules = probe
         rules = rules if self._follows_rule_context else None
-        key = (mesh_in_scope(), loops, tuple(names.items()), rules)
+        # Whether jax.set_mesh is unset (the legacy `with mesh:` alone) is part
+        # of the key: the program is then wrapped to call it under the mesh.
+        key = (mesh_in_scope(), _concrete_mesh_unset(), loops, tuple(names.items()), rules)
         jitted = self._by_context.get(key)
         if jitted is None:
             jitted = self._by_context[key] = self._make_jitted(key[0], self._resources_for(rules))
@@ -201,6 +204,9 @@ class XmapFunction:
                 results = self._trace(program, plan, tree, leaves, flat_specs, nested)
             if nested:
                 results = [_unsharded_type(x) for x in results]
+            elif plan.mesh is None and not spmd_axis_names():   # (else _program constrains)
+                results = [constrain_on_auto_mesh(x, plan, s)
+                           for x, s in zip(results, outputs.specs)]
             if mesh_ops_in_while and plan.mesh is not None:   # rare: one more trace
                 with _enclosing_mesh():
                     check_uniform_trip_counts(self._fun, plan, tree, leaves, flat_specs)

@@ -287,6 +287,23 @@ def test_nested_results_under_an_auto_mesh_are_sharded_per_the_plan(enter):
     assert total.sharding.is_equivalent_to(NamedSharding(mesh, P()), total.ndim)
 
 
+@pytest.mark.filterwarnings("ignore:.*context manager has been deprecated")
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=str)
+def test_outer_plan_off_the_mesh_over_a_nested_one_on_it(axis_type):
+    # The outer plan maps nothing to the mesh: its result is replicated, not
+    # sharded like the inner one's, under jax.set_mesh and then under the
+    # legacy `with mesh:` (the same xmap object in both contexts).
+    inner = xmap(lambda v: v * 2, ["b", ...], ["b", ...], axis_resources={"b": "y"})
+    outer = xmap(lambda v: inner(v) + 1, ["a", ...], ["a", ...])
+    mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(axis_type,) * 2)
+    x = A[:2, :4]
+    for context in (jax.set_mesh(mesh), mesh):
+        with context:
+            got = outer(x)
+        close(got, x * 2 + 1)
+        assert got.sharding.is_equivalent_to(NamedSharding(mesh, P()), got.ndim)
+
+
 def test_grad_vmap_and_jit_of_xmapped():
     f = xmap(lambda x, w: nx.sum(jnp.tanh(x @ w), ("a", "b")).sum(), LOOP_PROGRAM_IN, [...])
     pos = lambda x, w: jnp.tanh(jnp.einsum("abj,bjk->abk", x, w)).sum()
