@@ -11,7 +11,7 @@ from jax.sharding import AxisType, Mesh
 from nxops._jax import config as jax_config
 from nxops.kernels import _autotune
 from nxops._jax import mesh_lib
-from nxops._platforms import canonical_platform
+from nxops._platforms import normalize_platform
 
 # The custom calls nxops' own kernels lower to that jax.export does not allow
 # by default: Pallas' Triton kernels on GPU and jax-triton's kernels. Mosaic
@@ -43,7 +43,7 @@ def export(fn: Callable, *args: Any, platforms: Sequence[str] | None = None,
     if platforms is not None:
         if isinstance(platforms, str):
             platforms = (platforms,)
-        platforms = tuple(canonical_platform(p, where="nx.export") for p in platforms)
+        platforms = tuple(normalize_platform(p, "nx.export") for p in platforms)
     jitted = fn if hasattr(fn, "trace") else jax.jit(lambda *a: fn(*a))
     checks = tuple(export_kwargs.pop("disabled_checks", ())) + tuple(
         jax_export.DisabledSafetyCheck.custom_call(t) for t in NXOPS_KERNEL_CUSTOM_CALLS)

@@ -1,19 +1,28 @@
-"""Platform names as users write them, for nx.export, nx.kernels.explain and
-xmap: JAX says "gpu" for CUDA devices (``jax.default_backend()`` on an NVIDIA
-machine), while lowering (jax.export, the kernel registry) says "cuda"."""
+"""Platform names: as users write them, and as jax.export and nxops' kernel
+registry spell them. JAX calls NVIDIA devices "gpu" (``jax.devices()[0].platform``,
+``jax.default_backend()``), while jax.export and the registry say "cuda"; every
+nxops entry point that takes a platform name reads it here."""
 from __future__ import annotations
 
 from nxops._errors import NxopsError
-from nxops.kernels._registry import PLATFORMS
+
+PLATFORMS: tuple[str, ...] = ("cpu", "cuda", "rocm", "tpu")
 
 
-def canonical_platform(name: str, *, where: str) -> str:
-    """The lowering platform for ``name`` ('gpu' means 'cuda'); an NxopsError
-    naming ``where`` (the call that took it) for a name no platform has."""
-    canonical = str(name).lower()
-    canonical = "cuda" if canonical == "gpu" else canonical
-    if canonical not in PLATFORMS:
+def platform_named(word: str) -> str | None:
+    """The registry's (and jax.export's) name for the platform ``word``
+    (lowercased, 'gpu' read as 'cuda'), or None when it names none."""
+    name = str(word).lower()
+    name = "cuda" if name == "gpu" else name
+    return name if name in PLATFORMS else None
+
+
+def normalize_platform(platform: str, where: str) -> str:
+    """``platform_named(platform)``; an unknown name raises an NxopsError
+    listing the known ones. ``where`` names the call, e.g. ``"nx.kernels.explain"``."""
+    name = platform_named(platform)
+    if name is None:
         raise NxopsError(
-            f"{where}: unknown platform {name!r}. Use one of "
+            f"{where}: unknown platform {platform!r}. Use one of "
             f"{', '.join(map(repr, PLATFORMS))} ('gpu' means 'cuda'; AMD GPUs are 'rocm').")
-    return canonical
+    return name

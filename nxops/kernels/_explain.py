@@ -7,7 +7,7 @@ from typing import Any, Callable
 import jax
 from jax.extend import core as jex_core
 
-from nxops._platforms import canonical_platform
+from nxops._platforms import normalize_platform
 from nxops.kernels import _autotune, _registry
 
 
@@ -49,7 +49,8 @@ def explain(fn: Callable[..., Any], *args: Any, platform: str | None = None,
     Lowering for another platform works on CPU, so ``platform="cuda"`` (or
     ``"gpu"``) or ``"tpu"`` shows what would run there. Nothing is executed.
     """
-    platform = canonical_platform(platform or jax.default_backend(), where="nx.kernels.explain")
+    # JAX says "gpu" for CUDA devices (jax.default_backend()), the registry "cuda".
+    platform = normalize_platform(platform or jax.default_backend(), "nx.kernels.explain")
     # Executes nothing, so no autotuning: it shows what the tables choose.
     with _registry.collect_reports(platform) as reports, _autotune.suppressed():
         closed = jax.make_jaxpr(fn)(*args, **kwargs)

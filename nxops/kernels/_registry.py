@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from nxops._jax import config as _jax_config
 from nxops._errors import NxopsError
+from nxops._platforms import PLATFORMS, platform_named   # one list, shared with nx.export and nx.xmap
 from nxops.kernels import _autotune, _measured
 
 # Positional ops that have kernels, grouped into the families that
@@ -35,7 +36,6 @@ OP_FAMILY: dict[str, str] = {
 FAMILIES: tuple[str, ...] = ("reduce", "einsum", "tile", "collective")
 BACKENDS: tuple[str, ...] = ("xla", "pallas", "triton")
 CHOICES: tuple[str, ...] = ("auto",) + BACKENDS
-PLATFORMS: tuple[str, ...] = ("cpu", "cuda", "rocm", "tpu")
 
 # Where `auto`'s rule (below) lets a kernel take a case on TPU, it tries these
 # backends in order; `xla` is always the last resort. On cuda the measured
@@ -283,8 +283,8 @@ def _selection_error(value: str, why: str, where: str = "NXOPS_KERNELS") -> Nxop
 
 def _not_a_backend(word: str) -> str:
     """Why ``word`` is not a backend, with the fix when it is a platform name."""
-    if word in PLATFORMS or word == "gpu":
-        platform = "cuda" if word == "gpu" else word
+    platform = platform_named(word)
+    if platform is not None:
         return (f"{word!r} is a platform, not a kernel backend: the platform comes from the "
                 f"devices (or explain's platform=); the backend says which implementation "
                 f"runs there. See what runs on {platform} with "
@@ -310,7 +310,7 @@ def parse_selection(value: str, where: str = "NXOPS_KERNELS") -> Selection:
             raise _selection_error(value, f"unknown op {family!r}", where)
         if backend not in CHOICES:
             why = f"unknown backend {backend!r} for {family}"
-            if backend in PLATFORMS or backend == "gpu":
+            if platform_named(backend) is not None:
                 why += f" ({_not_a_backend(backend)})"
             raise _selection_error(value, why, where)
         if family in chosen:

@@ -217,9 +217,26 @@ def resolve(names: Sequence, *, op: str, allow_loop: bool = False) -> tuple[str,
             raise NxopsError(
                 f"{op} over named axis {name!r}, which nx.xmap maps to the serial loop "
                 f"{axis.loops[0].name!r}: each loop step sees one chunk, so {op} across the "
-                f"loop is not possible. Map {name!r} to mesh axes (or nothing) in axis_resources.")
+                f"loop is not possible. {looped_name_hint(name, op)}")
         physical.extend(axis.physical)
     return tuple(physical)
+
+
+# The jnp reduction that does outside an xmap what a named reduction does inside.
+_OUTSIDE_REDUCTIONS = {"mean": "jnp.mean", "sum": "jnp.sum", "max": "jnp.max", "min": "jnp.min",
+                       "prod": "jnp.prod", "logsumexp": "jax.nn.logsumexp"}
+
+
+def looped_name_hint(name, op: str) -> str:
+    """How to reduce over a name on a serial loop, where no collective can
+    (``op``: e.g. "nx.mean" or "jax.lax.pmean")."""
+    base = op.rsplit(".", 1)[-1]   # "pmean" reduces like "mean"
+    outside = _OUTSIDE_REDUCTIONS.get(base) or _OUTSIDE_REDUCTIONS.get(base.removeprefix("p"))
+    how = (f"{outside}(result, axis=<the dimension of {name!r}>)" if outside
+           else "jnp operations on that dimension")
+    return (f"To reduce over {name!r}, keep {name!r} in the value's out_axes and reduce the "
+            f"xmap's result outside it ({how}; jax.grad of that works too), or map {name!r} "
+            f"to mesh axes (or nothing) instead of a loop in axis_resources.")
 
 
 # While nx.xmap traces a program over mesh axes: the named ops over mesh axes

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from nxops._jax import mesh_lib as _mesh_lib
 from nxops._errors import NxopsError
-from nxops.ops._axis_env import InternalAxisName, LogicalAxis
+from nxops.ops._axis_env import InternalAxisName, LogicalAxis, current_logical_axes
 from nxops.xmap._resources import NamedLoop, SerialLoop, loops_in_scope
 from nxops.xmap._specs import AxisSpec
 
@@ -79,6 +79,8 @@ class Plan:
         for dim in range(ndim):
             axes = self.axis(by_pos[dim]).mesh_axes if dim in by_pos else ()
             entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        while entries and entries[-1] is None:   # as users write them: P('x'), not P('x', None)
+            entries.pop()
         return PartitionSpec(*entries)
 
     def logical_axes(self) -> dict[str, LogicalAxis]:
@@ -223,6 +225,7 @@ def plan_axis_resources(sizes: dict[str, int], axis_resources: dict[str, tuple],
     mesh = hidden if hidden is not None else mesh_in_scope()
     loops = {loop.name: loop for loop in loops_in_scope()}
     manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    enclosing = current_logical_axes()   # the names of enclosing xmaps
     axes, all_missing = [], []
     for name in order:
         resources = axis_resources.get(name, ())
@@ -235,6 +238,16 @@ def plan_axis_resources(sizes: dict[str, int], axis_resources: dict[str, tuple],
             raise NxopsError(
                 f"axis_resources[{name!r}] uses mesh axes {busy}, which an enclosing "
                 f"xmap or shard_map already maps over; use other mesh axes.")
+        looped = [(loop, outer) for loop in axis_loops for outer, axis in enclosing.items()
+                  if loop in axis.loops]
+        if looped:
+            loop, outer = looped[0]
+            raise NxopsError(
+                f"axis_resources[{name!r}] uses the serial loop {loop.name!r}, which "
+                f"the enclosing xmap already loops over for its name {outer!r}: a nested xmap "
+                f"cannot split its names along the same loop again. Give the inner name "
+                f"another loop (`with nx.serial_loop(other_name, length):` around the call, "
+                f"or SerialLoop(length)), or map both names in one xmap to share the loop.")
         total = math.prod(mesh.shape[a] for a in mesh_axes) * math.prod(
             loop.length for loop in axis_loops)
         if sizes[name] % total and not isinstance(sizes[name], int):

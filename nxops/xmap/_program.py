@@ -309,6 +309,10 @@ def _body_level(body: Callable, in_tree, plan: Plan, out_axes: Any, user_out_axe
             if error is None:
                 raise
             raise error from e
+        except ValueError as e:
+            if not _is_set_mesh_refusal(e):
+                raise
+            raise _set_mesh_in_body_error(plan) from e
         path_leaves, tree = jax.tree_util.tree_flatten_with_path(result)
         leaves = [jnp.asarray(x) for _, x in path_leaves]
         specs = broadcast_specs(out_axes, result, "out_axes", user_out_axes)
@@ -321,6 +325,22 @@ def _body_level(body: Callable, in_tree, plan: Plan, out_axes: Any, user_out_axe
                            for s, x in zip(specs, leaves)]
         return leaves, [[t for t in lay if isinstance(t, PosTag)] for lay in outputs.layouts]
     return level
+
+
+def _is_set_mesh_refusal(error: ValueError) -> bool:
+    """JAX's refusal of ``jax.set_mesh`` under a trace (the body is traced in jit)."""
+    return not isinstance(error, NxopsError) and "`set_mesh` can only be used outside" in str(error)
+
+
+def _set_mesh_in_body_error(plan: Plan) -> NxopsError:
+    where = (f"this call maps names to mesh axes {plan.mesh_axes}" if plan.mesh is not None
+             else "this call maps no name to a mesh axis")
+    return NxopsError(
+        f"jax.set_mesh inside the xmapped function: the body is traced inside jax.jit, where "
+        f"JAX refuses to change the mesh, and an xmap's mesh is the one in scope where it is "
+        f"called ({where}). Call the xmap under `with jax.set_mesh(mesh):` instead, and map "
+        f"names to the mesh's axes with axis_resources (a nested xmap may map its own names "
+        f"to axes the outer one leaves free).")
 
 
 def _reshard(x, plan: Plan, spec: AxisSpec):
@@ -450,9 +470,25 @@ def _over_mesh(local_program: Callable, plan: Plan, in_specs: list[AxisSpec],
         results = iter(jax.shard_map(sharded, mesh=mesh, in_specs=in_pspecs, out_specs=out_specs,
                                      axis_names=axis_names, check_vma=False)(
                                          *[x for x, _ in passed]))
-        return [next(results) if e is None else jnp.zeros(e.shape, e.dtype)
-                for e in empty_results]
+        results = [next(results) if e is None else jnp.zeros(e.shape, e.dtype)
+                   for e in empty_results]
+        if manual or spmd_axis_names():
+            return results
+        return [constrain_on_auto_mesh(x, plan, s) for x, s in zip(results, outputs.specs)]
     return program
+
+
+def constrain_on_auto_mesh(x, plan: Plan, spec: AxisSpec):
+    """A top-level result, sharded per the plan over a mesh of Auto axes (the
+    legacy ``with mesh:``): the shard_map fixes only the plan's axes (and a
+    plan without mesh axes none), and the partitioner would otherwise keep a
+    nested xmap's sharding over the other ones (t03). On Explicit axes the
+    result's type already says the plan's; off a mesh there is nothing to say."""
+    mesh = plan.mesh if plan.mesh is not None else jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.manual_axes or AxisType.Explicit in tuple(mesh.axis_types):
+        return x
+    pspec = plan.partition_spec(spec, x.ndim) if plan.mesh is not None else PartitionSpec()
+    return lax.with_sharding_constraint(x, NamedSharding(mesh, pspec))
 
 
 def _narrowed_dtype(x, pspec, axis_names: frozenset):

@@ -13,7 +13,7 @@ import re
 import traceback
 
 from nxops._errors import NxopsError
-from nxops.ops._axis_env import current_logical_axes
+from nxops.ops._axis_env import current_logical_axes, looped_name_hint
 
 # The public JAX function (by its name where JAX defines it) -> the nx op.
 _LAX_REPLACEMENTS = {
@@ -27,6 +27,8 @@ _JNP_REPLACEMENTS = {
     "amin": "nx.min", "prod": "nx.prod", "var": "nx.var", "std": "nx.std",
     "logsumexp": "nx.logsumexp",
 }
+# Position queries work on looped names (a position is global); collectives do not.
+_POSITION_QUERIES = ("axis_index", "axis_size")
 _LAX_FILE = "/jax/_src/lax/parallel.py"
 _JNP_FILES = ("/jax/_src/numpy/reductions.py", "/jax/_src/ops/special.py",
               "/jax/_src/nn/functions.py")
@@ -95,6 +97,12 @@ def raw_lax_error(error: NameError) -> NxopsError | None:
     names = axis if isinstance(axis, tuple) else (axis,) if axis is not None else (unbound,)
     shown = names[0] if len(names) == 1 else names
     reason = _where_bound(unbound, logical)
+    looped = unbound in logical and logical[unbound].loops
+    if looped and function not in _POSITION_QUERIES:
+        return NxopsError(
+            f"jax.lax.{function} over {shown!r} in the xmapped function: {reason}. No "
+            f"collective spans a serial loop ({replacement} is refused there too: each loop "
+            f"step sees one chunk). {looped_name_hint(unbound, f'jax.lax.{function}')}")
     return NxopsError(
         f"jax.lax.{function} over {shown!r} in the xmapped function: {reason}. Use "
         f"{replacement} (same arguments), which resolves xmap names on every placement.")

@@ -103,6 +103,28 @@ def _analyze(body, plan: Plan, in_tree, flat_args, flat_specs, shared) -> list[N
     return None if analysis.branches_per_device or analysis.named_op_in_custom_rule else variance
 
 
+def runs_without(body: Callable, plan: Plan, names: Sequence[str], in_tree,
+                 flat_args: Sequence, flat_specs: Sequence[AxisSpec]) -> bool:
+    """Whether ``body`` traces on one instance with ``names`` unbound, so that
+    nothing in it (a collective, a position or size query, a named op) uses
+    them. False when it fails for any reason, and when it holds a custom rule
+    whose JVP/VJP JAX traces only later (under an outer grad), which may."""
+    try:
+        jaxpr = _trace_per_instance(body, plan, in_tree, flat_args, flat_specs, unbound=names)
+    except Exception:  # noqa: BLE001 - a use of the names, or the body's own error
+        return False
+    return not any(eqn.primitive.name in _CUSTOM_RULE_PRIMITIVES
+                   for eqn in _all_eqns([jaxpr.jaxpr]))
+
+
+def _all_eqns(jaxprs: list[Jaxpr]):
+    """Every equation of ``jaxprs`` and of the jaxprs nested in them."""
+    for jaxpr in jaxprs:
+        for eqn in jaxpr.eqns:
+            yield eqn
+            yield from _all_eqns([_open(j) for j in _sub_jaxprs(eqn.params)])
+
+
 def closed_over_constants(body: Callable, plan: Plan, in_tree, flat_args: Sequence,
                           flat_specs: Sequence[AxisSpec]) -> list:
     """The values ``body`` closes over (its jaxpr's constants; [] if it fails)."""
@@ -112,19 +134,22 @@ def closed_over_constants(body: Callable, plan: Plan, in_tree, flat_args: Sequen
         return []
 
 
-def _trace_per_instance(body, plan: Plan, in_tree, flat_args, flat_specs) -> ClosedJaxpr:
+def _trace_per_instance(body, plan: Plan, in_tree, flat_args, flat_specs,
+                        unbound: Sequence[str] = ()) -> ClosedJaxpr:
     """The body's jaxpr on one instance's avals (named dims removed), with each
-    name bound as the plain axis ``vmap_name`` of the name's full size."""
+    name (but those ``unbound``) bound as the plain axis ``vmap_name`` of the
+    name's full size."""
     avals = []
     for x, spec in zip(flat_args, flat_specs):
         aval = jax.typeof(x)
         named = spec.mapping
         shape = tuple(d for i, d in enumerate(aval.shape) if i not in named)
         avals.append(jax.ShapeDtypeStruct(shape, aval.dtype, weak_type=aval.weak_type))
-    env = {a.name: LogicalAxis(physical=(a.vmap_name,)) for a in plan.axes}
+    bound = [a for a in plan.axes if a.name not in unbound]
+    env = {a.name: LogicalAxis(physical=(a.vmap_name,)) for a in bound}
     flat_body = lambda *flat: body(*jax.tree.unflatten(in_tree, flat))  # noqa: E731
     with logical_axes(env):
-        axis_env = [(a.vmap_name, a.size) for a in plan.axes]
+        axis_env = [(a.vmap_name, a.size) for a in bound]
         return jax.make_jaxpr(flat_body, axis_env=axis_env)(*avals)
 
 

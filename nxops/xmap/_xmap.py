@@ -17,17 +17,20 @@ from nxops._jax import legacy_mesh_context as _legacy_meshes   # what `with mesh
 from nxops._jax import mesh_lib as _mesh_lib
 from nxops._jax import spmd_axis_names
 from nxops._errors import NxopsError
+from nxops._platforms import normalize_platform
 from nxops._typing import AxisResources
 from nxops.ops._axis_env import (current_logical_axes, current_logical_axes_map, logical_axes,
                                   watch_mesh_ops_in_while)
 from nxops.xmap._plan import (Plan, check_shared_resources, mesh_in_scope,
                               normalize_axis_resources, off_mesh, plan_axis_resources)
-from nxops.xmap._program import build_program, explicit_mesh_constants, pinned_constants
+from nxops.xmap._program import (build_program, constrain_on_auto_mesh, explicit_mesh_constants,
+                                 pinned_constants)
 from nxops.xmap._resources import loops_in_scope
 from nxops.xmap._rules import check_rules, current_axis_rules, resources_from_rules
 from nxops.xmap._specs import (AxisSpec, broadcast_specs, infer_axis_sizes, parse_spec_tree,
                                spec_names)
-from nxops.xmap._variance import analyse_body, check_uniform_trip_counts, closed_over_constants
+from nxops.xmap._variance import (analyse_body, check_uniform_trip_counts, closed_over_constants,
+                                  runs_without)
 
 # The meshes in scope when the enclosing xmap was called (None: no enclosing xmap).
 _ENCLOSING_MESH: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
@@ -79,13 +82,9 @@ class XmapFunction:
                 f"All axis names appearing in out_axes must also appear in in_axes or "
                 f"axis_sizes, but the following are missing: {', '.join(map(repr, missing))} "
                 f"(out_axes={out_axes!r}). Give their sizes with axis_sizes={{name: size}}.")
-        unused = [n for n in self._axis_sizes if n not in in_names + out_names]
-        if unused:
-            # Likely a misspelled name: a size nothing uses would define a name silently.
-            raise NxopsError(
-                f"axis_sizes={self._axis_sizes!r} gives the size of {', '.join(map(repr, unused))}, "
-                f"which no in_axes or out_axes names (in_axes={_quote(in_axes)}, "
-                f"out_axes={_quote(out_axes)}). Remove it, or check the spelling of the names.")
+        # Names only the body may use (old xmap: `lax.psum(x, 'i')` with
+        # axis_sizes={'i': 4}); checked once the body is traced (_check_body_uses).
+        self._body_only_names = [n for n in self._axis_sizes if n not in in_names + out_names]
         self._names = defined
         # A rule table resolves now; no axis_resources at all follows the
         # nx.axis_rules(...) in scope at each call (part of the context key).
@@ -99,7 +98,7 @@ class XmapFunction:
                for i in self._donate_argnums):
             raise NxopsError(f"donate_argnums={donate_argnums!r}: give argument positions "
                              f"as ints >= 0.")
-        self._backend = backend
+        self._backend = _checked_backend(backend)
         self._by_context: dict[tuple, Any] = _shared_jits(fun, (
             _hashable_tree(self._in_axes), _hashable_tree(self._out_axes),
             tuple(sorted(self._axis_sizes.items())), tuple(sorted(self._resources.items())),
@@ -154,7 +153,7 @@ class XmapFunction:
     def lower(self, *args: Any) -> jax.stages.Lowered:
         """Lowers for these arguments (``.compile()``, ``.as_text()``, ...)."""
         try:
-            return self._jitted().lower(*self._place_on_mesh(args))
+            return self._jitted().lower(*self._typed_per_plan(self._place_on_mesh(args)))
         except TypeError as e:
             raise _non_array_argument_error(args) or e
 
@@ -170,7 +169,9 @@ class XmapFunction:
         # Equal probes give equal keys, so the probe may stand for the key.
         _, _, loops, names, rules = probe
         rules = rules if self._follows_rule_context else None
-        key = (mesh_in_scope(), loops, tuple(names.items()), rules)
+        # Whether jax.set_mesh is unset (the legacy `with mesh:` alone) is part
+        # of the key: the program is then wrapped to call it under the mesh.
+        key = (mesh_in_scope(), _concrete_mesh_unset(), loops, tuple(names.items()), rules)
         jitted = self._by_context.get(key)
         if jitted is None:
             jitted = self._by_context[key] = self._make_jitted(key[0], self._resources_for(rules))
@@ -186,6 +187,9 @@ class XmapFunction:
         def run(*args):
             nested = _ENCLOSING_MESH.get() is not None
             plan, flat_specs = self._plan(args, mesh, resources)
+            if self._body_only_names:
+                with _enclosing_mesh():
+                    self._check_body_uses(plan, args, flat_specs)
             with _enclosing_mesh():
                 variance = analyse_body(self._fun, plan, jax.tree.structure(args),
                                         jax.tree.leaves(args), flat_specs)
@@ -200,18 +204,35 @@ class XmapFunction:
                 results = self._trace(program, plan, tree, leaves, flat_specs, nested)
             if nested:
                 results = [_unsharded_type(x) for x in results]
+            elif plan.mesh is None and not spmd_axis_names():   # (else _program constrains)
+                results = [constrain_on_auto_mesh(x, plan, s)
+                           for x, s in zip(results, outputs.specs)]
             if mesh_ops_in_while and plan.mesh is not None:   # rare: one more trace
                 with _enclosing_mesh():
                     check_uniform_trip_counts(self._fun, plan, tree, leaves, flat_specs)
             return jax.tree.unflatten(outputs.tree, results)
 
         run.__name__ = getattr(self._fun, "__name__", "xmapped")
-        jit_kwargs = {"backend": self._backend} if self._backend is not None else {}
+        jit_kwargs = {"backend": _present(self._backend)} if self._backend is not None else {}
         jitted = jax.jit(run, donate_argnums=self._donate_argnums, **jit_kwargs)
         on_mesh = jitted if mesh is None or not _concrete_mesh_unset() else _UnderMesh(mesh, jitted)
         if mesh is None or _names_mesh_axes(resources, mesh) or jax.process_count() > 1:
             return on_mesh
         return _OffMesh(mesh, jitted, on_mesh)
+
+    def _check_body_uses(self, plan: Plan, args: tuple, flat_specs: list) -> None:
+        """A name that only ``axis_sizes`` gives and that the body does not use
+        either is likely misspelled: it would define a name silently."""
+        tree, leaves = jax.tree.structure(args), jax.tree.leaves(args)
+        unused = [n for n in self._body_only_names
+                  if runs_without(self._fun, plan, [n], tree, leaves, flat_specs)]
+        if unused:
+            raise NxopsError(
+                f"axis_sizes={self._axis_sizes!r} gives the size of "
+                f"{', '.join(map(repr, unused))}, which no in_axes or out_axes names "
+                f"(in_axes={_quote(self._user_in_axes)}, out_axes={_quote(self._user_out_axes)}) "
+                f"and no collective or named op of the body uses. Remove it, or check the "
+                f"spelling of the names.")
 
     def _trace(self, program, plan: Plan, tree, leaves: list, flat_specs: list, nested: bool):
         """``program(*leaves)``; on a mesh, retraced once if the body closes over
@@ -279,21 +300,89 @@ class XmapFunction:
     def _place_on_mesh(self, args: tuple) -> tuple:
         """``device_put`` committed inputs that live on devices outside the mesh:
         per the plan, or replicated when the plan maps nothing to the mesh."""
-        mesh = mesh_in_scope()
         leaves, tree = jax.tree.flatten(args)
         committed = [isinstance(x, _ArrayImpl) and x.committed for x in leaves]
-        if mesh is None or not any(committed) or _mesh_lib.get_abstract_mesh().manual_axes:
+        targets = self._shardings_per_plan(args) if any(committed) else None
+        if targets is None:
             return args
+        shardings, _ = targets
+        devices = set(shardings[0].mesh.devices.flat) if shardings else set()
+
+        leaves = [jax.device_put(_untyped_by_stale_mesh(x), sharding)
+                  if c and x.sharding.device_set != devices else x
+                  for x, sharding, c in zip(leaves, shardings, committed)]
+        return jax.tree.unflatten(tree, leaves)
+
+    def _typed_per_plan(self, args: tuple) -> tuple:
+        """For ``lower``: the inputs that carry no sharding of their own
+        (NumPy arrays, scalars, uncommitted arrays, bare ShapeDtypeStructs), as
+        ShapeDtypeStructs sharded per the plan on the mesh, so the compiled
+        program's ``input_shardings`` are NamedShardings with the plan's specs,
+        as ``jax.jit(..., in_shardings=...)`` gives (not bare GSPMDShardings)."""
+        targets = self._shardings_per_plan(args)
+        if targets is None or not targets[1]:   # no mesh, or the plan uses no mesh axis
+            return args
+        leaves, tree = jax.tree.flatten(args)
+
+        def typed(x, sharding):
+            placed = x.committed if isinstance(x, _ArrayImpl) else getattr(x, "sharding", None)
+            if placed:
+                return x
+            aval = jax.typeof(x)
+            return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding,
+                                        weak_type=aval.weak_type)
+        return jax.tree.unflatten(tree, [typed(x, s) for x, s in zip(leaves, targets[0])])
+
+    def _shardings_per_plan(self, args: tuple) -> tuple[list[NamedSharding], bool] | None:
+        """(each input's sharding per the plan on the mesh in scope, replicated
+        where the plan maps nothing to the mesh; whether the plan uses mesh
+        axes), or None without a mesh or inside a manual region."""
+        mesh = mesh_in_scope()
+        if mesh is None or _mesh_lib.get_abstract_mesh().manual_axes:
+            return None
         rules = current_axis_rules() if self._follows_rule_context else None
         plan, flat_specs = self._plan(args, mesh, self._resources_for(rules))
-        devices = set(mesh.devices.flat)
+        shapes = [_shape(x) for x in jax.tree.leaves(args)]
+        on_mesh = plan.mesh is not None
+        return [NamedSharding(mesh, plan.partition_spec(spec, len(shape)) if on_mesh
+                              else PartitionSpec())
+                for shape, spec in zip(shapes, flat_specs)], on_mesh
 
-        def target(x, spec):
-            pspec = plan.partition_spec(spec, x.ndim) if plan.mesh is not None else PartitionSpec()
-            return NamedSharding(mesh, pspec)
-        leaves = [jax.device_put(x, target(x, spec)) if c and x.sharding.device_set != devices else x
-                  for x, spec, c in zip(leaves, flat_specs, committed)]
-        return jax.tree.unflatten(tree, leaves)
+
+def _untyped_by_stale_mesh(x):
+    """``x``, copied if its type names a mesh its devices are not (``device_put(y,
+    device)`` of an array made under ``jax.set_mesh`` keeps the mesh in the
+    type): JAX cannot move such an array onto a mesh ("Length of device
+    assignment 1 is not equal to the size of the mesh", t08); the copy, typed
+    on no mesh, moves."""
+    if isinstance(x.sharding, NamedSharding) or jax.typeof(x).sharding.mesh.empty:
+        return x
+    return jax.device_put(x, x.sharding, may_alias=False)
+
+
+def _checked_backend(backend: str | None) -> str | None:
+    """``backend`` as jax.jit takes it (lowercased; 'gpu' stays JAX's alias
+    for whichever GPU platform is present); an unknown name is an NxopsError."""
+    if backend is None:
+        return None
+    normalize_platform(backend, f"nx.xmap(..., backend={backend!r})")
+    return str(backend).lower()
+
+
+def _present(backend: str) -> str:
+    """``backend``, checked present in this process (jax.jit's own error,
+    "Unknown backend: 'gpu'", reads as if the name were wrong)."""
+    try:
+        jax.devices(backend)
+    except RuntimeError as e:
+        platform = normalize_platform(backend, "nx.xmap")
+        alias = " ('gpu' means 'cuda': NVIDIA GPUs)" if backend == "gpu" else ""
+        raise NxopsError(
+            f"nx.xmap(..., backend={backend!r}): this process has no {platform} devices"
+            f"{alias}; JAX's default backend here is {jax.default_backend()!r}. Leave "
+            f"backend unset to run on the default devices, or run where {platform} devices "
+            f"are visible (check jax.devices({backend!r})).") from e
+    return backend
 
 
 def _closed_over_error(constants: list, plan: Plan) -> NxopsError:

@@ -215,12 +215,30 @@ def test_mesh_axis_already_used_by_enclosing_xmap(mesh):
             outer(np.ones((4, 4)))
 
 
-def test_raw_psum_over_a_looped_name_is_unbound():
-    # A looped name's vmap tile is mangled, so raw lax.psum cannot silently
-    # reduce over one chunk only; the error names nx.psum.
-    f = xmap(lambda x: jax.lax.psum(x, "a"), ["a", ...], [...],
+@pytest.mark.parametrize("raw, nx_op, outside", [(jax.lax.psum, "nx.psum", "jnp.sum"),
+                                                  (jax.lax.pmean, "nx.pmean", "jnp.mean")])
+def test_raw_collective_over_a_looped_name(raw, nx_op, outside):
+    # A looped name's vmap tile is mangled, so a raw collective cannot silently
+    # reduce over one chunk only. The nx op is refused on a loop too (issue 27):
+    # the error says what does work, which the test then follows.
+    body = lambda x: x * 2  # noqa: E731
+    f = xmap(lambda x: raw(body(x), "a"), ["a", ...], [...],
              axis_resources={"a": SerialLoop(2)})
-    with _raises(r"jax.lax.psum over 'a'.*mapped to serial loops .*Use nx.psum"):
+    with _raises(rf"jax.lax.{raw.__name__} over 'a'.*mapped to serial loops .*No collective "
+                 rf"spans a serial loop \({nx_op} is refused there too.*keep 'a' in the value's "
+                 rf"out_axes and reduce the xmap's result outside it \({outside}\(result, "
+                 rf"axis=<the dimension of 'a'>\).*or map 'a' to mesh axes \(or nothing\)"):
+        f(X)
+    kept = xmap(body, ["a", ...], ["a", ...], axis_resources={"a": SerialLoop(2)})
+    got = {"jnp.sum": jnp.sum, "jnp.mean": jnp.mean}[outside](kept(X), axis=0)
+    want = jax.vmap(lambda x: raw(body(x), "a"), axis_name="a", out_axes=None)(X)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
+
+
+def test_axis_index_over_a_looped_name_still_advises_nx():
+    f = xmap(lambda x: x + jax.lax.axis_index("a"), ["a", ...], ["a", ...],
+             axis_resources={"a": SerialLoop(2)})
+    with _raises(r"jax.lax.axis_index over 'a'.*Use nx.axis_index \(same arguments\)"):
         f(X)
 
 
@@ -315,9 +333,16 @@ def test_spec_listing_more_dims_than_the_argument_has():
         f(jnp.ones((2, 3)))
 
 
-def test_axis_sizes_for_a_name_no_spec_uses():
-    with _raises(r"axis_sizes=\{'zz': 3\} gives the size of 'zz', which no in_axes or out_axes"):
-        xmap(lambda x: x, ["a", ...], ["a", ...], axis_sizes={"zz": 3})
+@pytest.mark.parametrize("resources", [None, {"a": "x", "zz": "y"}])
+def test_axis_sizes_for_a_name_nothing_uses(mesh, resources):
+    # Likely misspelled: neither the specs nor the body use it (known once traced).
+    f = xmap(lambda x: x * 2, ["a", ...], ["a", ...], axis_sizes={"zz": 2},
+             axis_resources=resources)
+    with jax.set_mesh(mesh), _raises(
+            r"axis_sizes=\{'zz': 2\} gives the size of 'zz', which no in_axes or out_axes "
+            r"names \(in_axes=\['a', \.\.\.\], out_axes=\['a', \.\.\.\]\) and no collective "
+            r"or named op of the body uses\. Remove it, or check the spelling"):
+        f(jnp.ones((4, 3)))
 
 
 def test_donate_argnums_beyond_the_arguments():
@@ -404,3 +429,60 @@ def test_raw_psum_on_an_unknown_name():
     with _raises(r"jax.lax.psum over 'nope'.*'nope' is not an axis name bound here "
                  r"\(xmap names: 'batch'\). Use nx.psum"):
         f(jnp.ones((2, 2)))
+
+
+# -- issue 27's bad inputs --------------------------------------------------------
+
+def _has_devices(platform: str) -> bool:
+    try:
+        return bool(jax.devices(platform))
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.filterwarnings("ignore:backend and device argument on jit is deprecated")
+@pytest.mark.skipif(_has_devices("gpu"), reason="a GPU is present: backend='gpu' runs")
+def test_backend_gpu_without_a_gpu_says_gpu_means_cuda():
+    f = xmap(lambda x: x * 2, ["a", ...], ["a", ...], backend="gpu")
+    with _raises(r"nx.xmap\(\.\.\., backend='gpu'\): this process has no cuda devices \('gpu' "
+                 r"means 'cuda': NVIDIA GPUs\); JAX's default backend here is 'cpu'\. Leave "
+                 r"backend unset"):
+        f(jnp.ones(4))
+    assert np.array_equal(xmap(f.__wrapped__, ["a", ...], ["a", ...], backend="CPU")(
+        jnp.arange(4.0)), np.arange(4.0) * 2)
+
+
+def test_unknown_backend_lists_the_platforms():
+    with _raises(r"nx.xmap\(\.\.\., backend='metal'\): unknown platform 'metal'\. Use one of "
+                 r"'cpu', 'cuda', 'rocm', 'tpu' \('gpu' means 'cuda'; AMD GPUs are 'rocm'\)"):
+        xmap(lambda x: x, ["a", ...], ["a", ...], backend="metal")
+
+
+@pytest.mark.parametrize("resources", [None, {"a": "x"}])
+def test_set_mesh_inside_the_body(mesh, resources):
+    def body(x):
+        with jax.set_mesh(mesh):
+            return x * 2
+    f = xmap(body, ["a", ...], ["a", ...], axis_resources=resources)
+    with jax.set_mesh(mesh), _raises(
+            r"jax.set_mesh inside the xmapped function: the body is traced inside jax.jit, where "
+            r"JAX refuses to change the mesh.*Call the xmap under `with jax.set_mesh\(mesh\):` "
+            r"instead, and map names to the mesh's axes with axis_resources"):
+        f(jnp.ones((4, 3)))
+
+
+@pytest.mark.parametrize("shared", ["named", "SerialLoop"])
+def test_nested_xmap_on_the_loop_its_enclosing_xmap_loops_over(shared):
+    loop = "l" if shared == "named" else SerialLoop(2)
+    inner = xmap(lambda v: v * 2, ["b", ...], ["b", ...], axis_resources={"b": loop})
+    outer = xmap(lambda v: inner(v), ["a", ...], ["a", ...], axis_resources={"a": loop})
+    with serial_loop("l", 2), _raises(
+            r"axis_resources\['b'\] uses the serial loop '(l|SerialLoop#\d+\(2\))', which the "
+            r"enclosing xmap already loops over for its name 'a'.*Give the inner name another "
+            r"loop"):
+        outer(np.ones((4, 4), np.float32))
+    with serial_loop("l", 2), serial_loop("m", 2):   # the fix the message gives
+        fixed = xmap(lambda v: xmap(lambda w: w * 2, ["b", ...], ["b", ...],
+                                    axis_resources={"b": "m"})(v),
+                     ["a", ...], ["a", ...], axis_resources={"a": loop})
+        np.testing.assert_array_equal(np.asarray(fixed(np.ones((4, 4), np.float32))), 2.0)

@@ -123,3 +123,50 @@ def test_no_resources_outside_with_a_nested_xmap_on_the_mesh():
     with jax.set_mesh(jax.make_mesh((DP, MP), ("dp", "mp"))):
         got = outer(x)
     np.testing.assert_array_equal(np.asarray(got), x * 2 + 1)
+
+
+def _spec(*axes) -> P:
+    """A PartitionSpec as a jax.jit user writes it: no trailing Nones."""
+    axes = list(axes)
+    while axes and axes[-1] is None:
+        axes.pop()
+    return P(*axes)
+
+
+@pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_compiled_shardings_are_the_named_shardings_jax_jit_gives(placement, axis_type):
+    # Inputs with no sharding of their own (NumPy): the compiled program reports
+    # the plan's NamedShardings, as jax.jit of the same placement does (its
+    # arguments typed with their shardings), not bare GSPMDShardings (issue 27,
+    # Build 5).
+    batch, shard = PLACEMENTS[placement].get("batch"), PLACEMENTS[placement].get("shard")
+    explicit = axis_type == "Explicit"
+    mesh = jax.make_mesh((DP, MP), ("dp", "mp"),
+                         axis_types=(getattr(jax.sharding.AxisType, axis_type),) * 2)
+    named = lambda *axes: NamedSharding(mesh, _spec(*axes))  # noqa: E731
+    w1, w2, wv, x, y = (np.asarray(a) for a in operands())
+    hidden = nx.xmap(lambda w, v: jax.nn.relu(v @ w), (["shard", ...], ["batch", ...]),
+                     ["batch", "shard", ...], axis_resources=PLACEMENTS[placement])
+    hidden_twin = jax.jit(jax.shard_map(
+        lambda w, v: jax.nn.relu(jnp.einsum("sdh,pbd->psbh", w, v)), mesh=mesh,
+        in_specs=(_spec(shard), _spec(batch)), out_specs=_spec(batch, shard),
+        axis_names=frozenset(a for a in (batch, shard) if a)),
+        out_shardings=None if explicit else named(batch, shard))
+    loss = nx.xmap(named_block, IN_AXES, [], axis_resources=PLACEMENTS[placement])
+    # (On Explicit axes computed replicated: jnp cannot contract the sharded dims.)
+    replicated = (lambda a: jax.sharding.reshard(a, P())) if explicit else (lambda a: a)
+    loss_twin = jax.jit(lambda *a: positional_loss(*map(replicated, a)))
+    # (Uncommitted jax.Arrays, made before the mesh, have no sharding of their own either.)
+    cases = ((hidden, hidden_twin, (jnp.asarray(w1), jnp.asarray(x)), (named(shard), named(batch))),
+             (loss, loss_twin, (w1, w2, wv, x, y),
+              (named(shard), named(shard), named(), named(batch), named(batch))))
+    with jax.set_mesh(mesh):
+        for mine, twin, args, shardings in cases:
+            typed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+                     for a, s in zip(args, shardings)]
+            compiled, expected = mine.lower(*args).compile(), twin.lower(*typed).compile()
+            assert compiled.input_shardings == expected.input_shardings
+            assert compiled.output_shardings == expected.output_shardings
+            np.testing.assert_allclose(np.asarray(compiled(*args)), np.asarray(expected(*args)),
+                                       rtol=1e-5, atol=1e-5)

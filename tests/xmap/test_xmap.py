@@ -66,6 +66,19 @@ def test_output_only_name_is_broadcast():
     close(f(A[0]), np.broadcast_to(A[0] * 2, (3,) + A[0].shape))
 
 
+@pytest.mark.parametrize("resources", [None, {"i": "y"}, {"i": ("x", "y")}])
+def test_axis_sizes_for_a_name_only_the_body_uses(resources):
+    # Old xmap (JAX's testCollectiveOverNoName): psum over a name no spec has.
+    def body(x):
+        return nx.psum(x ** 2, "i") + nx.pmax(nx.axis_index("i"), "i") * nx.axis_size("i")
+    f = xmap(body, ["a", ...], ["a", ...], axis_sizes={"i": 8}, axis_resources=resources)
+    x = A[:2, 0]
+    with jax.set_mesh(jax.make_mesh((2, 4), ("x", "y"))):
+        close(f(x), 8 * x ** 2 + 7 * 8)
+    raw = xmap(lambda: lax.psum(jnp.array(2) ** 2, "i"), {}, {}, axis_sizes={"i": 4})
+    assert int(raw()) == 16
+
+
 def test_raw_lax_psum_over_a_vmapped_name():
     f = xmap(lambda x: lax.psum(x, "a") - lax.pmax(x, "a"), ["a", ...], [...])
     close(f(A), A.sum(0) - A.max(0))
@@ -210,6 +223,24 @@ def test_inputs_unsharded_committed_or_sharded(axis_type):
             close(f(x), want)
 
 
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=str)
+def test_inputs_committed_to_devices_outside_the_mesh(axis_type):
+    # docs/xmap.md: such inputs are device_put onto the mesh first (t08).
+    mesh = jax.make_mesh((2, 2), ("x", "y"), devices=jax.devices()[:4],
+                         axis_types=(axis_type,) * 2)
+    others = jax.make_mesh((2, 2), ("x", "y"), devices=jax.devices()[4:])
+    f = xmap(lambda x: x * 2 + nx.sum(x, "a"), ["a", ...], ["a", ...],
+             axis_resources={"a": "x"})
+    want = A * 2 + A.sum(0)
+    with jax.set_mesh(mesh):
+        made_here = jnp.asarray(A) * 1   # computed under the mesh, as in t08
+        for x in (jax.device_put(made_here, jax.devices()[7]),
+                  jax.device_put(made_here, NamedSharding(others, P("x", "y")))):
+            got = f(x)
+            close(got, want)
+            assert got.sharding.is_equivalent_to(NamedSharding(mesh, P("x")), got.ndim)
+
+
 @pytest.mark.filterwarnings("ignore:.*context manager has been deprecated")
 def test_legacy_mesh_context():
     mesh = jax.make_mesh((4, 2), ("x", "y"))
@@ -235,6 +266,42 @@ def test_nested_xmap_uses_outer_names():
                                 axis_resources={"b": "y"})(x),
                  ["a", ...], [...], axis_resources={"a": "x"})
         close(g(A), A.sum((0, 1)))
+
+
+@pytest.mark.filterwarnings("ignore:.*context manager has been deprecated")
+@pytest.mark.parametrize("enter", ["with mesh", "jax.set_mesh"])
+def test_nested_results_under_an_auto_mesh_are_sharded_per_the_plan(enter):
+    # The outer plan puts dim 0 on 'y'; the inner name's 'x' must not leak (t03).
+    def outer_body(x):
+        inner = xmap(lambda y: (jnp.sin(y), nx.psum(y, ("a", "b"))), ["b", ...],
+                     (["b", ...], [...]), axis_resources={"b": "x"})
+        return inner(x * 2)
+    f = xmap(outer_body, [None, "a", ...], (["a", ...], [...]), axis_resources={"a": "y"})
+    mesh = jax.make_mesh((2, 2), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+    x = RNG.standard_normal((4, 2, 5)).astype(np.float32)
+    with (mesh if enter == "with mesh" else jax.set_mesh(mesh)):
+        sines, total = f(x)
+    close(sines, np.sin(2 * x).transpose(1, 0, 2))
+    close(total, 2 * x.sum((0, 1)))
+    assert sines.sharding.is_equivalent_to(NamedSharding(mesh, P("y")), sines.ndim)
+    assert total.sharding.is_equivalent_to(NamedSharding(mesh, P()), total.ndim)
+
+
+@pytest.mark.filterwarnings("ignore:.*context manager has been deprecated")
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=str)
+def test_outer_plan_off_the_mesh_over_a_nested_one_on_it(axis_type):
+    # The outer plan maps nothing to the mesh: its result is replicated, not
+    # sharded like the inner one's, under jax.set_mesh and then under the
+    # legacy `with mesh:` (the same xmap object in both contexts).
+    inner = xmap(lambda v: v * 2, ["b", ...], ["b", ...], axis_resources={"b": "y"})
+    outer = xmap(lambda v: inner(v) + 1, ["a", ...], ["a", ...])
+    mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(axis_type,) * 2)
+    x = A[:2, :4]
+    for context in (jax.set_mesh(mesh), mesh):
+        with context:
+            got = outer(x)
+        close(got, x * 2 + 1)
+        assert got.sharding.is_equivalent_to(NamedSharding(mesh, P()), got.ndim)
 
 
 def test_grad_vmap_and_jit_of_xmapped():
@@ -274,6 +341,30 @@ def test_donate_argnums_and_backend():
         warnings.simplefilter("ignore")   # CPU may decline some donations
         close(f(x), A + 1)
     assert x.is_deleted()
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=str)
+def test_donation_takes_effect_for_inputs_placed_per_the_plan(axis_type):
+    # docs/xmap.md: under a mesh an input sharded per the plan (as the compiled
+    # input_shardings name) is donated; one the program must move is copied,
+    # and the caller's array survives.
+    mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(axis_type,) * 2)
+    f = xmap(lambda w: w * 0.5 + nx.sum(w, "a"), ["a", ...], ["a", ...],
+             axis_resources={"a": "x"}, donate_argnums=0)
+    want = A * 0.5 + A.sum(0)
+    with jax.set_mesh(mesh):
+        (placed,), _ = f.lower(A).compile().input_shardings
+        assert placed == NamedSharding(mesh, P("x"))
+        on_one_device = jax.device_put(A, jax.devices()[0])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # JAX may warn the copy's donation is unusable
+            close(f(on_one_device), want)
+        assert not on_one_device.is_deleted()
+        w = jax.device_put(A, placed)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")   # no "donated buffers were not usable"
+            close(f(w), want)
+        assert w.is_deleted()
 
 
 def test_lower_returns_jax_lowered():
