@@ -31,8 +31,9 @@ OP_FAMILY: dict[str, str] = {
     "tile": "tile",
     "all_gather": "collective",
     "reduce_scatter": "collective",
+    "cross_entropy": "cross_entropy",
 }
-FAMILIES: tuple[str, ...] = ("reduce", "einsum", "tile", "collective")
+FAMILIES: tuple[str, ...] = ("reduce", "einsum", "tile", "collective", "cross_entropy")
 BACKENDS: tuple[str, ...] = ("xla", "pallas", "triton")
 CHOICES: tuple[str, ...] = ("auto",) + BACKENDS
 PLATFORMS: tuple[str, ...] = ("cpu", "cuda", "rocm", "tpu")
@@ -160,6 +161,8 @@ EVIDENCE = {
     "tile": "no modelled win: XLA's dynamic slice reads only the tile "
             "(kernel 2.42 on 4 H100s)",
     "collective": "not modelled (NCCL / ICI); XLA's collectives are kept",
+    "cross_entropy": "no GPU measurement of a fused kernel yet: the reference (chunked "
+                     "lax loop, never holding the logits) is kept",
     "cpu": "kernels run interpreted on cpu (for testing)",
     "unmodelled": "no modelled win on {platform}",
 }
