@@ -188,7 +188,8 @@ def cross_entropy(h: ArrayLike, w: ArrayLike, labels: ArrayLike, *, hidden, voca
     ids. Positions whose label is ``ignore_index`` give 0 and no gradient.
     Returns float32 losses of ``labels``' shape (and the logsumexp, 0 at
     ignored positions, with ``return_lse=True``, e.g. for a z-loss).
-    ``vocab_chunk``: vocab columns per step of the loop (default 1024).
+    ``vocab_chunk``: vocab columns per step of the loop (default: as many as
+    keep one step's f32 logits within 4 MiB, 128 to 4096).
     """
     op = "nx.cross_entropy"
     h, w, labels = jnp.asarray(h), jnp.asarray(w), jnp.asarray(labels)
@@ -217,8 +218,8 @@ def cross_entropy(h: ArrayLike, w: ArrayLike, labels: ArrayLike, *, hidden, voca
         local_labels = labels - lax.axis_index(vocab_mesh) * w2.shape[1]
     h2, w2, local_labels = match_varying(h2.reshape(math.prod(token_shape), h2.shape[-1]),
                                          w2, local_labels)
-    stats = _bind(h2, w2, local_labels, chunk=xla_cross_entropy.chunk_size(w2.shape[1], vocab_chunk),
-                  kernels=selection_param())
+    chunk = None if vocab_chunk is None else int(vocab_chunk)
+    stats = _bind(h2, w2, local_labels, chunk=chunk, kernels=selection_param())
     lse, picked = _combine_vocab_shards(stats, vocab_mesh) if vocab_mesh else (stats[0], stats[1])
     loss = lse - picked
     if ignore_index is not None:

@@ -24,12 +24,18 @@ from jax import lax
 
 from nxops.kernels._registry import PLATFORMS, Kernel, register
 
-DEFAULT_CHUNK = 1024
+# Default columns per step: as many as keep one step's f32 logits within
+# this budget (8192 tokens: 128 columns, 4 MiB), a power of two in [128, 4096].
+CHUNK_LOGITS_BYTES = 4 << 20
+MIN_CHUNK, MAX_CHUNK = 128, 4096
 
 
-def chunk_size(vocab: int, chunk: int | None) -> int:
-    """Columns per step: ``chunk`` (default 1024), at most the vocab."""
-    return max(1, min(chunk or DEFAULT_CHUNK, vocab))
+def chunk_size(tokens: int, vocab: int, chunk: int | None) -> int:
+    """Columns per step: ``chunk``, or by default the budget's; at most the vocab."""
+    if chunk is None:
+        fits = CHUNK_LOGITS_BYTES // (4 * max(tokens, 1))
+        chunk = min(MAX_CHUNK, max(MIN_CHUNK, 1 << max(fits, 1).bit_length() - 1))
+    return max(1, min(chunk, vocab))
 
 
 def _chunk_starts(vocab: int, size: int) -> tuple[int, int]:
@@ -45,7 +51,17 @@ def _chunk(w, step, size: int, vocab: int):
     first = step * size
     start = jnp.minimum(first, vocab - size)
     columns = start + lax.broadcasted_iota(jnp.int32, (1, size), 1)
-    return lax.dynamic_slice_in_dim(w, start, size, axis=1), start, columns, columns >= first
+    return _sliced(w, start, size), start, columns, columns >= first
+
+
+def _sliced(w, start, size: int):
+    """``size`` columns of ``w`` from ``start``. A 16-bit ``w`` is sliced as
+    its bits: XLA:CPU computes bf16 dots in f32 and would otherwise convert
+    the whole weight before the loop (a second, f32 copy of it)."""
+    if w.dtype.itemsize != 2:
+        return lax.dynamic_slice_in_dim(w, start, size, axis=1)
+    bits = lax.bitcast_convert_type(w, jnp.uint16)
+    return lax.bitcast_convert_type(lax.dynamic_slice_in_dim(bits, start, size, axis=1), w.dtype)
 
 
 def _logits(h, w_chunk):
@@ -90,15 +106,13 @@ def _backward(h, w, labels, lse, g_lse, g_picked, size: int):
         softmax = jnp.exp(logits - lse[:, None])
         hit = columns == labels[:, None]
         dlogits = softmax * g_lse[:, None] + jnp.where(hit, g_picked[:, None], 0.0)
-        dlogits = jnp.where(new, dlogits, 0.0).astype(h.dtype)
-        dh = dh + lax.dot_general(dlogits, w_chunk, (((1,), (1,)), ((), ())),
-                                  preferred_element_type=jnp.float32)
-        dw_chunk = lax.dot_general(h, dlogits, (((0,), (0,)), ((), ())),
+        # dh takes each column once; dw's columns shared with the chunk before
+        # are recomputed whole and overwritten (a plain in-place update).
+        dh = dh + lax.dot_general(jnp.where(new, dlogits, 0.0).astype(h.dtype), w_chunk,
+                                  (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        dw_chunk = lax.dot_general(h, dlogits.astype(h.dtype), (((0,), (0,)), ((), ())),
                                    preferred_element_type=jnp.float32)
-        # Columns shared with the previous chunk get + 0 here: the add is exact.
-        old = lax.dynamic_slice_in_dim(dw, start, size, axis=1).astype(jnp.float32)
-        dw = lax.dynamic_update_slice_in_dim(dw, (old + dw_chunk).astype(dw.dtype), start, axis=1)
-        return dh, dw
+        return dh, lax.dynamic_update_slice_in_dim(dw, dw_chunk.astype(dw.dtype), start, axis=1)
 
     init = (jnp.zeros(h.shape, jnp.float32), jnp.zeros(w.shape, w.dtype))
     dh, dw = lax.fori_loop(0, count, step, init)
@@ -129,11 +143,13 @@ def cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, *, chunk: int |
                   platform: str = "cpu") -> jax.Array:
     """[2, T] f32: the logsumexp of ``h @ w`` over its V columns, and the
     logit at ``labels`` (0 where a label is outside [0, V)). Differentiable
-    in ``h`` and ``w`` without materializing [T, V]."""
+    in ``h`` and ``w`` without materializing [T, V]. ``chunk``: columns per
+    step (None: see ``chunk_size``)."""
     del platform
     if w.shape[1] == 0:
         raise ValueError("cross_entropy over an empty vocabulary")   # checked by nx.cross_entropy
-    return _lse_and_label_logit(h, w, labels.astype(jnp.int32), chunk_size(w.shape[1], chunk))
+    size = chunk_size(h.shape[0], w.shape[1], chunk)
+    return _lse_and_label_logit(h, w, labels.astype(jnp.int32), size)
 
 
 KERNEL = register(Kernel(
