@@ -13,6 +13,7 @@ label; one ``pmax`` and one ``psum`` of per-token scalars combine them.
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 
@@ -24,8 +25,8 @@ from jax.interpreters import ad, batching
 from nxops._errors import NxopsError
 from nxops._typing import ArrayLike
 from nxops.kernels.xla import cross_entropy as xla_cross_entropy
-from nxops.ops import _axis_env
-from nxops.ops._collectives import _along_vmap_names
+from nxops.ops import _axis_env, _fusion
+from nxops.ops._collectives import _along_vmap_names, _mesh_platform
 from nxops.ops._primitive import kernel_primitive, match_varying, selection_param
 
 cross_entropy_p = kernel_primitive("nx_cross_entropy", "cross_entropy",
@@ -170,8 +171,33 @@ def _combine_vocab_shards(stats, mesh_names):
         lse_local = stats[0]
     # The shift cancels in value; its gradient is zero (and pmax has none).
     top = lax.pmax(lax.stop_gradient(lse_local), mesh_names)
-    summed = lax.psum(jnp.stack([jnp.exp(lse_local - top), stats[1]]), mesh_names)
+    # The psum of the named reductions (its transpose too: the in-body gradient rule).
+    summed = _fusion.mesh_sum(jnp.stack([jnp.exp(lse_local - top), stats[1]]), mesh_names,
+                              platform=_mesh_platform())
     return top + jnp.log(summed[0]), summed[1]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _summed_over_vocab_shards(h, mesh_names):
+    """``h`` (replicated over the vocab's mesh axes); its cotangent is each
+    shard's contribution: summed over the shards here, so that dh is the
+    whole gradient on every shard, as where the vocab is a local tile. (The
+    division undoes the psum that transposes the combining psum; a gradient
+    taken outside the xmap then psums the replicated h's cotangent once more,
+    over the cotangent shard_map divided by the shard count.)"""
+    return h
+
+
+def _summed_fwd(h, mesh_names):
+    return h, None
+
+
+def _summed_bwd(mesh_names, _, ct):
+    count = math.prod(_axis_env.physical_axis_size(n) for n in mesh_names)
+    return (_fusion.mesh_sum(ct, mesh_names, platform=_mesh_platform()) / count,)
+
+
+_summed_over_vocab_shards.defvjp(_summed_fwd, _summed_bwd)
 
 
 def cross_entropy(h: ArrayLike, w: ArrayLike, labels: ArrayLike, *, hidden, vocab,
@@ -216,6 +242,7 @@ def cross_entropy(h: ArrayLike, w: ArrayLike, labels: ArrayLike, *, hidden, voca
     local_labels = labels
     if vocab_mesh:
         local_labels = labels - lax.axis_index(vocab_mesh) * w2.shape[1]
+        h2 = _summed_over_vocab_shards(h2, vocab_mesh)
     h2, w2, local_labels = match_varying(h2.reshape(math.prod(token_shape), h2.shape[-1]),
                                          w2, local_labels)
     chunk = None if vocab_chunk is None else int(vocab_chunk)
