@@ -261,3 +261,20 @@ def test_errors_named_axes(mesh):
             on_mesh(jnp.zeros((T, 4)), jnp.zeros((4, V)), labels)
         with pytest.raises(nx.NxopsError, match="serial loop"):
             looped(h, w, labels)
+
+
+def test_plain_vmap_vocab_name_and_a_weight_per_member():
+    """Outside xmap: the vocab as a jax.vmap name; and vmap over stacked weights
+    (no shared matmul to fold the tokens into: one loop per weight)."""
+    h, w, labels, _ = operands(5, 3, 11, jnp.float32, "normal", 2, None)
+    named = jax.vmap(lambda w: nx.cross_entropy(h, w, labels, hidden=1, vocab="v"),
+                     in_axes=1, out_axes=None, axis_name="v")
+    assert_close(named(w), unfused_loss(h, w, labels)[0])
+    weights = jnp.stack([w, -2 * w])
+
+    def per_weight(loss_fn):
+        return lambda ws: jnp.sum(jax.vmap(lambda w: loss_fn(h, w, labels))(ws) ** 2)
+    fused = per_weight(lambda h, w, l: nx.cross_entropy(h, w, l, hidden=1, vocab=1))
+    unfused = per_weight(lambda h, w, l: unfused_loss(h, w, l)[0])
+    assert_close(fused(weights), unfused(weights))
+    assert_close(jax.grad(fused)(weights), jax.grad(unfused)(weights))
