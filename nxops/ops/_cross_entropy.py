@@ -72,11 +72,14 @@ batching.primitive_batchers[cross_entropy_p] = _cross_entropy_batcher
 
 
 def _cross_entropy_jvp(primals, tangents, *, chunk, kernels):
-    del kernels
+    """The forward is this primitive again (its kernel from the registry); the
+    backward recomputes the logits chunk by chunk (the reference's)."""
     h, w, labels = primals
     dh, dw = (ad.instantiate_zeros(t) for t in tangents[:2])
-    fused = lambda h, w: xla_cross_entropy.cross_entropy(h, w, labels, chunk=chunk)  # noqa: E731
-    return jax.jvp(fused, (h, w), (dh, dw))
+    size = xla_cross_entropy.chunk_size(h.shape[0], w.shape[1], chunk)
+    forward = lambda h, w, labels, size: _bind(h, w, labels, chunk=size, kernels=kernels)  # noqa: E731
+    fused = xla_cross_entropy.differentiable(forward)
+    return jax.jvp(lambda h, w: fused(h, w, labels, size), (h, w), (dh, dw))
 
 
 ad.primitive_jvps[cross_entropy_p] = _cross_entropy_jvp

@@ -119,24 +119,37 @@ def _backward(h, w, labels, lse, g_lse, g_picked, size: int):
     return dh.astype(h.dtype), dw
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _lse_and_label_logit(h, w, labels, size):
-    lse, picked = _forward(h, w, labels, size)
-    return jnp.stack([lse, picked])
+def forward(h, w, labels, size: int) -> jax.Array:
+    """[2, T]: the logsumexp and the label's logit (no derivative: see ``cross_entropy``)."""
+    return jnp.stack(_forward(h, w, labels, size))
 
 
-def _fwd(h, w, labels, size):
-    lse, picked = _forward(h, w, labels, size)
-    return jnp.stack([lse, picked]), (h, w, labels, lse)
+def backward(h, w, labels, lse, g, size: int):
+    """(dh, dw) for the cotangent ``g`` [2, T] of ``forward``'s result."""
+    return _backward(h, w, labels, lse, g[0], g[1], size)
 
 
-def _bwd(size, residuals, g):
-    h, w, labels, lse = residuals
-    dh, dw = _backward(h, w, labels, lse, g[0], g[1], size)
-    return dh, dw, None
+def differentiable(forward_fn):
+    """``forward_fn(h, w, labels, size)`` with this module's backward as its VJP
+    (the registry's kernels compute the forward; every one shares the backward)."""
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+    def fused(h, w, labels, size):
+        return forward_fn(h, w, labels, size)
+
+    def fwd(h, w, labels, size):
+        out = forward_fn(h, w, labels, size)
+        return out, (h, w, labels, out[0])
+
+    def bwd(size, residuals, g):
+        h, w, labels, lse = residuals
+        dh, dw = backward(h, w, labels, lse, g, size)
+        return dh, dw, None
+
+    fused.defvjp(fwd, bwd)
+    return fused
 
 
-_lse_and_label_logit.defvjp(_fwd, _bwd)
+_lse_and_label_logit = differentiable(forward)
 
 
 def cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, *, chunk: int | None = None,
