@@ -278,3 +278,19 @@ def test_plain_vmap_vocab_name_and_a_weight_per_member():
     unfused = per_weight(lambda h, w, l: unfused_loss(h, w, l)[0])
     assert_close(fused(weights), unfused(weights))
     assert_close(jax.grad(fused)(weights), jax.grad(unfused)(weights))
+
+
+def test_vocab_parallel_bf16_ignore_index_and_z_loss(mesh):
+    """bf16, tokens on x and the vocab on y, ignored positions, a z-loss on the
+    logsumexp: values and gradients (outside) as the unfused f32 program's."""
+    h, w, labels, c = operands(T, H, V, jnp.bfloat16, "normal", 5, -100)
+
+    def body(h, w, labels):
+        return nx.cross_entropy(h, w, labels, hidden=0, vocab="vocab", ignore_index=-100,
+                                return_lse=True)
+    xmapped = nx.xmap(body, IN_AXES, [["tok"], ["tok"]],
+                      axis_resources={"tok": "x", "vocab": "y"})
+    with jax.set_mesh(mesh):
+        got = jax.jit(loss_and_grads, static_argnums=0)(xmapped, h, w, labels, c)
+    want = loss_and_grads(functools.partial(unfused_loss, ignore_index=-100), h, w, labels, c)
+    assert_matches_unfused(got, want, jnp.bfloat16)
