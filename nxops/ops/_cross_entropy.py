@@ -203,9 +203,9 @@ def _summed_bwd(mesh_names, _, ct):
 _summed_over_vocab_shards.defvjp(_summed_fwd, _summed_bwd)
 
 
-def cross_entropy(h: ArrayLike, w: ArrayLike, labels: ArrayLike, *, hidden, vocab,
-                  ignore_index: int | None = None, return_lse: bool = False,
-                  vocab_chunk: int | None = None):
+def cross_entropy(h: ArrayLike, w: ArrayLike, labels: ArrayLike, *, hidden: str | int,
+                  vocab: str | int, ignore_index: int | None = None, return_lse: bool = False,
+                  vocab_chunk: int | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Per-position ``logsumexp_v(h·w) - (h·w)[label]`` without the logits.
 
     ``hidden`` and ``vocab`` name the contracted and the class axis: a name
