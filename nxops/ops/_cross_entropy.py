@@ -68,7 +68,7 @@ def _batch_first(x, dim, size):
 batching.primitive_batchers[cross_entropy_p] = _cross_entropy_batcher
 
 
-# --- differentiation: the reference's custom_vjp on positional operands ------
+# --- differentiation: the registry's forward, the reference's backward -------
 
 
 def _cross_entropy_jvp(primals, tangents, *, chunk, kernels):
