@@ -64,3 +64,14 @@ def test_auto_keeps_the_reference_on_cuda():
     report = nx.kernels.explain(lambda h, w: nx.cross_entropy(h, w, labels, hidden=1, vocab=1),
                                 h, w, platform="cuda")
     assert "xla:cross_entropy" in str(report) and "pallas:cross_entropy" not in str(report).split("kernels:")[0]
+
+
+def test_last_split_with_tiles_wholly_past_the_vocab(monkeypatch):
+    # 7 vocab tiles over 3 splits of 3 tiles: the last split's last two tiles
+    # hold no column (their logits are all -inf).
+    monkeypatch.setattr(pallas_ce, "TARGET_PROGRAMS", 3)
+    h, w, labels = operands(20, 16, 7 * 128 - 5, jnp.float32, seed=3)
+    assert pallas_ce.vocab_splits(20, 7 * 128 - 5, 32, 128) == (3, 3)
+    got = pallas_ce.cross_entropy(h, w, labels, platform="cpu")
+    _tolerances.assert_close(got, xla_ce.cross_entropy(h, w, labels), np.float32, scale=10,
+                             relative_scale=10)
