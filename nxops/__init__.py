@@ -12,7 +12,7 @@ from nxops._errors import NxopsError  # noqa: E402
 from nxops import hlo, kernels, random
 from nxops._export import export
 from nxops.ops import (
-    all_gather, all_to_all, axis_index, axis_size, einsum, logsumexp, max, mean, min, one_hot,
+    all_gather, all_to_all, axis_index, axis_size, cross_entropy, einsum, logsumexp, max, mean, min, one_hot,
     pdot, pmax, pmean, pmin, ppermute, prod, psum, psum_scatter, std, sum, tile, untile, var,
 )
 
@@ -24,7 +24,7 @@ from nxops.xmap import SerialLoop, axis_rules, serial_loop, xmap  # noqa: E402
 __version__ = "0.1.0"
 
 __all__ = [
-    "NxopsError", "SerialLoop", "axis_rules", "export", "serial_loop", "xmap", "hlo", "random", "all_gather", "all_to_all", "axis_index", "axis_size", "einsum", "kernels",
+    "NxopsError", "SerialLoop", "axis_rules", "export", "serial_loop", "xmap", "hlo", "random", "all_gather", "all_to_all", "axis_index", "axis_size", "cross_entropy", "einsum", "kernels",
     "logsumexp", "max", "mean", "min", "one_hot", "pdot", "pmax", "pmean", "pmin", "ppermute",
     "prod", "psum", "psum_scatter", "std", "sum", "tile", "untile", "var",
 ]

@@ -32,8 +32,9 @@ OP_FAMILY: dict[str, str] = {
     "tile": "tile",
     "all_gather": "collective",
     "reduce_scatter": "collective",
+    "cross_entropy": "cross_entropy",
 }
-FAMILIES: tuple[str, ...] = ("reduce", "einsum", "tile", "collective")
+FAMILIES: tuple[str, ...] = ("reduce", "einsum", "tile", "collective", "cross_entropy")
 BACKENDS: tuple[str, ...] = ("xla", "pallas", "triton")
 CHOICES: tuple[str, ...] = ("auto",) + BACKENDS
 

@@ -2,12 +2,13 @@
 from nxops.ops._collectives import (
     all_gather, all_to_all, axis_index, axis_size, one_hot, ppermute, psum_scatter, tile, untile,
 )
+from nxops.ops._cross_entropy import cross_entropy
 from nxops.ops._einsum import einsum, pdot
 from nxops.ops._moments import std, var
 from nxops.ops._reduce import logsumexp, max, mean, min, pmax, pmean, pmin, prod, psum, sum
 
 __all__ = [
-    "all_gather", "all_to_all", "axis_index", "axis_size", "einsum", "logsumexp", "max", "mean",
+    "all_gather", "all_to_all", "axis_index", "axis_size", "cross_entropy", "einsum", "logsumexp", "max", "mean",
     "min", "one_hot", "pdot", "pmax", "pmean", "pmin", "ppermute", "prod", "psum", "psum_scatter",
     "std", "sum", "tile", "untile", "var",
 ]

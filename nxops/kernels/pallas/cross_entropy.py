@@ -1,0 +1,147 @@
+"""Pallas fused cross-entropy forward (Triton style, CCE-like): the matmul
+and the online logsumexp in one kernel, each logits tile only in registers.
+
+Reference: :func:`nxops.kernels.xla.cross_entropy.cross_entropy` ([2, T]: the
+logsumexp of ``h @ w`` over the vocab and the label's logit). The backward is
+the reference's (``xla.cross_entropy.differentiable``: it recomputes the
+logits chunk by chunk), so only the forward is a kernel here.
+
+Grid ``(token blocks, vocab splits)``: program (i, s) walks the vocab tiles of
+split ``s`` for ``bt`` tokens; per tile it accumulates ``h[bt, bk] @ w[bk, bv]``
+over the hidden dim in f32 (``tl.dot``: tensor cores), masks the columns past
+the vocab, and updates a running (max, sum of exp) and the label's logit.
+The splits fill the SMs when there are few token blocks; their partial
+(max, sum, logit), each [splits, T], are combined by a small XLA epilogue.
+
+Not chosen by ``auto`` (no GPU measurement of it exists): select it with
+``NXOPS_KERNELS=cross_entropy=pallas``. On CPU it runs in interpret mode.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from nxops.kernels._registry import Kernel, register
+from nxops.kernels.pallas import _common
+
+F32 = jnp.float32
+# Tiles: 64 tokens x 128 vocab columns, 64-wide hidden steps (a wgmma m64n128
+# per step; 4 warps keep the f32 accumulator at 64 registers per thread).
+BLOCK_TOKENS, BLOCK_VOCAB, BLOCK_HIDDEN = 64, 128, 64
+NUM_WARPS, NUM_STAGES = 4, 3
+# Programs to aim for: two per SM of the largest GPU nxops compiles for (H100: 132).
+TARGET_PROGRAMS = 264
+
+
+def tiles(tokens: int, hidden: int, vocab: int) -> tuple[int, int, int]:
+    """(bt, bk, bv): powers of two, at least 16 (``tl.dot``), at most the defaults."""
+    def fit(n, top):
+        return min(top, max(16, _common.next_power_of_2(n)))
+    return fit(tokens, BLOCK_TOKENS), fit(hidden, BLOCK_HIDDEN), fit(vocab, BLOCK_VOCAB)
+
+
+def vocab_splits(tokens: int, vocab: int, bt: int, bv: int) -> tuple[int, int]:
+    """(splits, vocab tiles per split): enough splits for ``TARGET_PROGRAMS``."""
+    token_blocks, vocab_tiles = pl.cdiv(tokens, bt), pl.cdiv(vocab, bv)
+    splits = max(1, min(vocab_tiles, -(-TARGET_PROGRAMS // token_blocks)))
+    per_split = pl.cdiv(vocab_tiles, splits)
+    return pl.cdiv(vocab_tiles, per_split), per_split
+
+
+def _dot(a, b, interpret: bool):
+    """``a @ b`` in f32; interpreted (XLA:CPU) 16-bit blocks are upcast first
+    (no bf16 x bf16 -> f32 dot there; the products are exact either way)."""
+    if interpret and jnp.dtype(a.dtype).itemsize < 4:
+        a, b = a.astype(F32), b.astype(F32)
+    return jnp.dot(a, b, preferred_element_type=F32)
+
+
+def _kernel(h_ref, w_ref, labels_ref, top_ref, total_ref, picked_ref, *, bt: int, bk: int, bv: int, per_split: int,
+            interpret: bool):
+    tokens, hidden = h_ref.shape
+    vocab = w_ref.shape[1]
+    i, split = pl.program_id(0), pl.program_id(1)
+    rows = i * bt + lax.broadcasted_iota(jnp.int32, (bt,), 0)
+    labels = plgpu.load(labels_ref.at[pl.ds(i * bt, bt)], mask=rows < tokens, other=-1)
+    h_rows = i * bt + lax.broadcasted_iota(jnp.int32, (bt, bk), 0)
+
+    def vocab_tile(jj, carry):
+        top, total, picked = carry
+        first = (split * per_split + jj) * bv
+        w_cols = first + lax.broadcasted_iota(jnp.int32, (bk, bv), 1)
+
+        def hidden_step(kk, acc):
+            h_k = kk * bk + lax.broadcasted_iota(jnp.int32, (bt, bk), 1)
+            w_k = kk * bk + lax.broadcasted_iota(jnp.int32, (bk, bv), 0)
+            h = plgpu.load(h_ref.at[pl.ds(i * bt, bt), pl.ds(kk * bk, bk)],
+                           mask=(h_rows < tokens) & (h_k < hidden), other=0.0)
+            w = plgpu.load(w_ref.at[pl.ds(kk * bk, bk), pl.ds(first, bv)],
+                           mask=(w_k < hidden) & (w_cols < vocab), other=0.0)
+            return acc + _dot(h, w, interpret)
+
+        logits = lax.fori_loop(0, pl.cdiv(hidden, bk), hidden_step, jnp.zeros((bt, bv), F32))
+        cols = first + lax.broadcasted_iota(jnp.int32, (bt, bv), 1)
+        logits = jnp.where(cols < vocab, logits, -jnp.inf)
+        new_top = jnp.maximum(top, jnp.max(logits, axis=1))
+        shift = jnp.where(new_top == -jnp.inf, 0.0, new_top)   # a tile wholly past the vocab
+        total = total * jnp.exp(top - shift) + jnp.sum(jnp.exp(logits - shift[:, None]), axis=1)
+        picked = picked + jnp.sum(jnp.where(cols == labels[:, None], logits, 0.0), axis=1)
+        return new_top, total, picked
+
+    init = (jnp.full((bt,), -jnp.inf, F32), jnp.zeros((bt,), F32), jnp.zeros((bt,), F32))
+    stats = lax.fori_loop(0, per_split, vocab_tile, init)
+    for ref, value in zip((top_ref, total_ref, picked_ref), stats):
+        plgpu.store(ref.at[split, pl.ds(i * bt, bt)], value, mask=rows < tokens)
+
+
+def _combine_splits(top, total, picked):
+    """[splits, T] partial (max, sum of exp, logit) -> [2, T] (lse, logit)."""
+    best = jnp.max(top, axis=0)
+    shift = jnp.where(best == -jnp.inf, 0.0, best)
+    lse = shift + jnp.log(jnp.sum(total * jnp.exp(top - shift), axis=0))
+    return jnp.stack([lse, jnp.sum(picked, axis=0)])
+
+
+def cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, *, chunk: int | None = None,
+                  platform: str = "cuda") -> jax.Array:
+    """[2, T] f32 as the reference (``chunk`` is the reference's; the kernel tiles itself)."""
+    del chunk
+    target = _common.target_for(platform, "triton")
+    (tokens, hidden), vocab = h.shape, w.shape[1]
+    bt, bk, bv = tiles(tokens, hidden, vocab)
+    splits, per_split = vocab_splits(tokens, vocab, bt, bv)
+    partial = pl.pallas_call(
+        functools.partial(_kernel, bt=bt, bk=bk, bv=bv, per_split=per_split,
+                          interpret=target.interpret),
+        out_shape=[jax.ShapeDtypeStruct((splits, tokens), F32)] * 3,
+        grid=(pl.cdiv(tokens, bt), splits),
+        name="nxops_cross_entropy",
+        cost_estimate=_common.cost_estimate(
+            [h] * splits + [w] * pl.cdiv(tokens, bt), [((3, splits, tokens), F32)],
+            flops=2 * tokens * hidden * vocab, transcendentals=tokens * vocab),
+        **_common.call_kwargs(target, num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+    )(h, w, labels.astype(jnp.int32))
+    return _combine_splits(*partial)
+
+
+def not_supported_reasons(h, w, labels, *, platform: str, **params) -> list[str]:
+    del labels, params
+    reasons = []
+    if platform == "tpu":
+        reasons.append("no Mosaic (TPU) version of the fused cross-entropy kernel")
+    if jnp.dtype(h.dtype) not in _common.FLOAT_DTYPES:
+        reasons.append(f"dtype {h.dtype} (the kernel takes float32, bfloat16, float16)")
+    return reasons + _common.too_large_reasons(h.shape, w.shape)
+
+
+KERNEL = register(Kernel(
+    op="cross_entropy", backend="pallas", platforms=("cpu", "cuda"), fn=cross_entropy,
+    not_supported_reasons=not_supported_reasons,
+    description="Pallas (Triton) matmul + online logsumexp per token block and vocab split "
+                "(forward; the backward is the reference loop)",
+))

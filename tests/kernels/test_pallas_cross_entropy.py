@@ -1,0 +1,77 @@
+"""The Pallas fused cross-entropy forward, in interpret mode on CPU, against
+the reference (nxops.kernels.xla.cross_entropy): several token blocks,
+hidden steps, vocab tiles and splits, ragged edges, dtypes, extreme logits;
+and the gradient with the kernel's forward feeding the reference backward."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nxops as nx
+from nxops.kernels import _tolerances
+from nxops.kernels.pallas import cross_entropy as pallas_ce
+from nxops.kernels.xla import cross_entropy as xla_ce
+
+
+def operands(tokens, hidden, vocab, dtype, scale=1.0, seed=0):
+    k = jax.random.split(jax.random.key(seed), 3)
+    h = jax.random.normal(k[0], (tokens, hidden))
+    w = scale * jax.random.normal(k[1], (hidden, vocab)) / hidden**0.5
+    return h.astype(dtype), w.astype(dtype), jax.random.randint(k[2], (tokens,), 0, vocab)
+
+
+@pytest.mark.parametrize("tokens, hidden, vocab, dtype, scale", [
+    (70, 70, 300, jnp.float32, 1.0),     # 2 token blocks, 2 hidden steps, 3 vocab tiles (ragged)
+    (70, 70, 300, jnp.bfloat16, 1.0),
+    (5, 3, 13, jnp.float16, 1.0),
+    (3, 8, 1, jnp.float32, 1.0),         # vocab 1
+    (1, 16, 130, jnp.float32, 1e4),      # one token; logits ~ +-1e4
+])
+def test_kernel_matches_reference(tokens, hidden, vocab, dtype, scale):
+    h, w, labels = operands(tokens, hidden, vocab, dtype, scale)
+    bt, _, bv = pallas_ce.tiles(tokens, hidden, vocab)
+    assert pallas_ce.vocab_splits(tokens, vocab, bt, bv)[0] == -(-vocab // bv)   # a split per tile
+    got = pallas_ce.cross_entropy(h, w, labels, platform="cpu")
+    want = xla_ce.cross_entropy(h, w, labels)
+    magnitude = max(1.0, float(jnp.max(jnp.abs(want))))
+    _tolerances.assert_close(got, want, np.float32, scale=10 * magnitude,
+                             relative_scale=10)
+
+
+def test_splits_share_tiles_when_many_token_blocks():
+    # 300 token blocks fill the GPU alone: one split walks every vocab tile.
+    assert pallas_ce.vocab_splits(300 * 64, 1000, 64, 128) == (1, 8)
+    assert pallas_ce.vocab_splits(64, 128256, 64, 128) == (251, 4)
+
+
+def test_selected_kernel_runs_under_grad_with_the_reference_backward():
+    h, w, labels = operands(70, 20, 300, jnp.bfloat16)
+    labels = labels.at[3].set(-100)
+
+    def step(h, w):
+        return jax.value_and_grad(lambda h, w: jnp.sum(nx.cross_entropy(
+            h, w, labels, hidden=1, vocab=1, ignore_index=-100)), argnums=(0, 1))(h, w)
+    with nx.kernels.use("cross_entropy=pallas"), nx.kernels.collect_reports() as reports:
+        got = jax.jit(step)(h, w)
+    assert {r.choice.kernel.name for r in reports} == {"pallas:cross_entropy"}
+    want = jax.jit(step)(h, w)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        _tolerances.assert_close(g, r, r.dtype, scale=float(jnp.max(jnp.abs(r))))
+
+
+def test_auto_keeps_the_reference_on_cuda():
+    h, w, labels = operands(8, 4, 16, jnp.bfloat16)
+    report = nx.kernels.explain(lambda h, w: nx.cross_entropy(h, w, labels, hidden=1, vocab=1),
+                                h, w, platform="cuda")
+    assert "xla:cross_entropy" in str(report) and "pallas:cross_entropy" not in str(report).split("kernels:")[0]
+
+
+def test_last_split_with_tiles_wholly_past_the_vocab(monkeypatch):
+    # 7 vocab tiles over 3 splits of 3 tiles: the last split's last two tiles
+    # hold no column (their logits are all -inf).
+    monkeypatch.setattr(pallas_ce, "TARGET_PROGRAMS", 3)
+    h, w, labels = operands(20, 16, 7 * 128 - 5, jnp.float32, seed=3)
+    assert pallas_ce.vocab_splits(20, 7 * 128 - 5, 32, 128) == (3, 3)
+    got = pallas_ce.cross_entropy(h, w, labels, platform="cpu")
+    _tolerances.assert_close(got, xla_ce.cross_entropy(h, w, labels), np.float32, scale=10,
+                             relative_scale=10)
