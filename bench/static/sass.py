@@ -57,6 +57,7 @@ class LoadFacts:
     loop_widths: tuple[int, ...]     # bits of each LDG in the main loop
     loop_exchanges: tuple[str, ...]  # SHFL / BAR / LDS / STS opcodes in the main loop
     exp_per_loop: int                # MUFU.EX2 in the main loop
+    loop_instructions: int           # instructions in the main loop
 
     @property
     def loop_load_bytes(self) -> int:
@@ -109,7 +110,8 @@ def _facts(body: str) -> LoadFacts:
         widths=tuple(_width(op) for _, op in loads),
         loop_widths=tuple(_width(op) for op, _ in inside if op.startswith("LDG")),
         loop_exchanges=tuple(op for op, _ in inside if op.split(".")[0] in _EXCHANGE),
-        exp_per_loop=sum(op.startswith("MUFU.EX2") for op, _ in inside))
+        exp_per_loop=sum(op.startswith("MUFU.EX2") for op, _ in inside),
+        loop_instructions=len(inside))
 
 
 def load_facts(ptx: str, sm_name: str = "sm_90a") -> dict[str, LoadFacts]:
