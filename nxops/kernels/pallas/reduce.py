@@ -403,6 +403,8 @@ def _normalize_axes(axes, ndim: int) -> tuple[int, ...]:
 def reduce_forward(x: jax.Array, axes: tuple[int, ...], op: str, target: Target) -> jax.Array:
     """The kernel path of :func:`reduce` (no custom VJP)."""
     axes = _normalize_axes(axes, x.ndim)
+    if x.size == 0:   # nothing to launch: the reference's -inf, 0, or error
+        return xla_reduce.reduce(x, axes=axes, op=op)
     out_shape = tuple(n for d, n in enumerate(x.shape) if d not in axes)
     permutation, (n_outer, n_reduced, n_inner) = canonical_view(x.shape, axes)
     if permutation is not None:
