@@ -119,3 +119,87 @@ def load_facts(ptx: str, sm_name: str = "sm_90a") -> dict[str, LoadFacts]:
     text = sass(ptx, sm_name)
     chunks = re.split(r"//-+ \.text\.", text)[1:]
     return {chunk.split()[0]: _facts(chunk) for chunk in chunks}
+
+
+# --- the one-pass reductions: plans, loads per element, the table -------------
+
+REDUCTION_CASES = (("logsumexp", 1), ("logsumexp", 0), ("sum", 0))
+
+
+def first_pass_plan(backend: str, axis: int, dtype, shape):
+    """The plan of the launch that reads a 2-D operand (``nxops.kernels._layout``),
+    as the backend's wrapper makes it."""
+    import jax.numpy as jnp
+
+    from nxops.kernels import _layout
+    if backend == "triton":
+        from nxops.kernels.triton import reduce as triton_reduce
+        knobs = triton_reduce.knobs()
+    else:
+        from nxops.kernels.pallas import reduce as pallas_reduce
+        knobs = pallas_reduce._knobs()
+    itemsize = jnp.dtype(dtype).itemsize
+    if axis == 1:
+        return _layout.rows_plan(*shape, itemsize, knobs)
+    return _layout.columns_plan(1, *shape, itemsize, knobs)
+
+
+def loads_per_element(facts: LoadFacts, plan, threads: int, itemsize: int) -> float:
+    """Bytes a program loads over its piece, over the bytes of its piece: 1.0
+    when each element is loaded once (the main loop, or the whole kernel when
+    ptxas unrolled a piece of a step or two)."""
+    trips = plan.piece_len // plan.step
+    step_bytes = plan.unroll * plan.block[0] * plan.block[1] * itemsize
+    loaded = facts.loop_load_bytes * trips if facts.loop_widths else sum(facts.widths) // 8
+    return loaded * threads / (trips * step_bytes)
+
+
+def reduction_table(arch: str = "h100", backends=("pallas", "triton"),
+                    shapes=((16384, 8192), (4096, 4096)), dtypes=("float32", "bfloat16")) -> str:
+    """Markdown: per reduction launch (the first reads the operand; a second,
+    ``__1`` or the second Triton row, reduces f32 partials), its grid,
+    threads, registers, spills, load widths; for the first, loads per element
+    and, per element of its main loop, MUFU.EX2 and instructions."""
+    import math
+
+    import jax
+    import jax.numpy as jnp
+
+    import nxops as nx
+    from bench.static import gpu
+
+    rows = ["| backend | case | dtype | shape | kernel | grid | threads | regs | spills | "
+            "load bits | loads / element | ex2 / element | instr / element |",
+            "|" + "---|" * 13]
+    for backend in backends:
+        for op, axis in REDUCTION_CASES:
+            for dtype in dtypes:
+                if op == "sum" and dtype != "bfloat16":
+                    continue
+                for shape in shapes:
+                    with nx.kernels.use(backend):
+                        report = gpu.compile_gpu(lambda v: getattr(nx, op)(v, axis),
+                                                 jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)),
+                                                 arch=arch)
+                    plan = first_pass_plan(backend, axis, dtype, shape)
+                    kernels = [k for k in report.kernels if k.name.startswith("nxops")]
+                    for i, k in enumerate(kernels):
+                        facts, threads = k.loads(), math.prod(k.threads)
+                        per_element = ["-"] * 3
+                        if i == 0:
+                            loop_elements = plan.unroll * math.prod(plan.block)
+                            per_element = [
+                                f"{loads_per_element(facts, plan, threads, jnp.dtype(dtype).itemsize):.2f}",
+                                *(f"{n * threads / loop_elements:.2f}" if facts.loop_widths else "-"
+                                  for n in (facts.exp_per_loop, facts.loop_instructions))]
+                        rows.append(
+                            f"| {backend} | {op} {'rows' if axis else 'columns'} | {dtype} | "
+                            f"{shape[0]}x{shape[1]} | {k.name} | {'x'.join(map(str, k.grid))} | "
+                            f"{threads} | {k.registers} | {k.spill_stores}/{k.spill_loads} | "
+                            f"{'/'.join(map(str, sorted(set(facts.widths))))} | "
+                            + " | ".join(per_element) + " |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(reduction_table())

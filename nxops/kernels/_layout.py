@@ -140,10 +140,11 @@ def columns_plan(n_outer: int, n_reduced: int, n_inner: int, itemsize: int, knob
     columns a program, a warp's 16-byte loads side by side (512 contiguous
     bytes a tile row); the reduced dim cut into pieces when the columns give
     too few programs. A second pass (``split=False``, over partials) takes
-    narrower blocks until it has a program per SM."""
+    narrower blocks, down to 64 bytes (two 32-byte sectors), until it has a
+    program per SM (4096^2's partials ran on 4 programs in 512-byte blocks)."""
     tile = _tile(itemsize, knobs)
     bi = min(_next_power_of_2(n_inner), 32 * vector(itemsize), tile)
-    while not split and n_outer * cdiv(n_inner, bi) < knobs.sm_count and bi > 8 * vector(itemsize):
+    while not split and n_outer * cdiv(n_inner, bi) < knobs.sm_count and bi > 4 * vector(itemsize):
         bi //= 2
     br = max(1, min(_next_power_of_2(n_reduced), tile // bi))
     unroll = _unroll(n_reduced, br, knobs)
