@@ -82,6 +82,7 @@ class ReducePlan:
     n_pieces: int
     grid: tuple[int, ...]
     warps: int
+    exact: bool   # the blocks and pieces tile the operand exactly: no masks
 
     @property
     def step(self) -> int:
@@ -109,10 +110,18 @@ def _next_power_of_2(n: int) -> int:
 
 
 def _pieces(n_reduced: int, step: int, programs: int, split: bool, knobs: ReduceKnobs):
+    """(piece length, pieces): whole steps each; when the steps tile the axis,
+    up to twice the pieces ``split_count`` asks for, to tile it exactly (a
+    plan that tiles the operand loads without masks)."""
+    n_steps = cdiv(n_reduced, step)
     if not split:
-        return cdiv(n_reduced, step) * step, 1
-    n_pieces, per_piece = split_count(programs, cdiv(n_reduced, step),
-                                      target=knobs.target_programs, min_steps=knobs.min_steps)
+        return n_steps * step, 1
+    n_pieces, per_piece = split_count(programs, n_steps, target=knobs.target_programs,
+                                      min_steps=knobs.min_steps)
+    if n_pieces > 1 and n_reduced % step == 0:
+        for pieces in range(n_pieces, 2 * n_pieces + 1):
+            if n_steps % pieces == 0 and n_steps // pieces >= knobs.min_steps:
+                return n_steps // pieces * step, pieces
     return per_piece * step, n_pieces
 
 
@@ -131,7 +140,8 @@ def rows_plan(n_rows: int, n_cols: int, itemsize: int, knobs: ReduceKnobs, *,
     programs = cdiv(n_rows, bo)
     piece_len, n_pieces = _pieces(n_cols, unroll * br, programs, split, knobs)
     return ReducePlan((bo, br), unroll, piece_len, n_pieces, (programs, n_pieces),
-                      _warps(bo * br, itemsize, knobs))
+                      _warps(bo * br, itemsize, knobs),
+                      exact=n_rows % bo == 0 and piece_len * n_pieces == n_cols)
 
 
 def columns_plan(n_outer: int, n_reduced: int, n_inner: int, itemsize: int, knobs: ReduceKnobs,
@@ -151,4 +161,5 @@ def columns_plan(n_outer: int, n_reduced: int, n_inner: int, itemsize: int, knob
     programs = n_outer * cdiv(n_inner, bi)
     piece_len, n_pieces = _pieces(n_reduced, unroll * br, programs, split, knobs)
     return ReducePlan((br, bi), unroll, piece_len, n_pieces,
-                      (n_outer, cdiv(n_inner, bi), n_pieces), _warps(br * bi, itemsize, knobs))
+                      (n_outer, cdiv(n_inner, bi), n_pieces), _warps(br * bi, itemsize, knobs),
+                      exact=n_inner % bi == 0 and piece_len * n_pieces == n_reduced)

@@ -11,13 +11,16 @@ import pytest
 
 from tests._extras import skip_without_triton
 
+from nxops.kernels import _layout
 from nxops.kernels.pallas import reduce as pallas_reduce
 from tests.kernels._tolerances import FLOAT_DTYPES, assert_close, small_blocks
 
 BACKENDS = ["pallas", pytest.param("triton", marks=skip_without_triton)]
-# (shape, axis): rows and columns, odd lengths, a single element, one long
-# row / column (split into pieces), and empty reduced or kept dims.
-SHAPES = [((7, 301), 1), ((301, 7), 0), ((3, 37, 5), 1), ((1, 1), 1), ((1, 1), 0),
+# (shape, axis): rows and columns, odd lengths, blocks and pieces that tile
+# the operand exactly (unmasked loads), a single element, one long row /
+# column (split into pieces), and empty reduced or kept dims.
+SHAPES = [((7, 301), 1), ((301, 7), 0), ((8, 256), 1), ((256, 8), 0), ((3, 37, 5), 1),
+          ((1, 1), 1), ((1, 1), 0),
           ((1, 999), 1), ((999, 1), 0), ((0, 5), 1), ((5, 0), 1), ((0, 5), 0)]
 
 
@@ -36,6 +39,15 @@ def numpy_reduce(x, axis: int, op: str) -> np.ndarray:
                           axis=axis)
 
 
+def _small_triton(monkeypatch):
+    """The Triton backend's module with small blocks and a GPU of 6 programs."""
+    from nxops.kernels.triton import reduce as triton_reduce
+    for name, value in dict(MAX_BLOCK=32, MAX_REDUCED_BLOCK=8, TARGET_PROGRAMS=6,
+                            MIN_STEPS_PER_PIECE=1).items():
+        monkeypatch.setattr(triton_reduce, name, value)
+    return triton_reduce
+
+
 @pytest.fixture
 def run(monkeypatch):
     """``run(backend, x, axis, op)``: the kernel with small blocks and a GPU
@@ -44,12 +56,22 @@ def run(monkeypatch):
         if backend == "pallas":
             with small_blocks("triton"):
                 return pallas_reduce.reduce_in_style(x, axes=(axis,), op=op, style="triton")
-        from nxops.kernels.triton import reduce as triton_reduce
-        for name, value in dict(MAX_BLOCK=32, MAX_REDUCED_BLOCK=8, TARGET_PROGRAMS=6,
-                                MIN_STEPS_PER_PIECE=1).items():
-            monkeypatch.setattr(triton_reduce, name, value)
-        return triton_reduce.reduce(x, axes=(axis,), op=op)
+        return _small_triton(monkeypatch).reduce(x, axes=(axis,), op=op)
     return call
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_exactly_tiled_shapes_load_without_masks(monkeypatch, backend):
+    # (8, 256) and (256, 8) take the unmasked path in the tests below.
+    if backend == "pallas":
+        with small_blocks("triton"):
+            knobs = pallas_reduce._knobs()
+    else:
+        knobs = _small_triton(monkeypatch).knobs()
+    assert _layout.rows_plan(8, 256, 4, knobs).exact
+    assert _layout.columns_plan(1, 256, 8, 4, knobs).exact
+    assert not _layout.rows_plan(7, 301, 4, knobs).exact
+    assert not _layout.columns_plan(1, 301, 7, 4, knobs).exact
 
 
 def _assert_matches(got, want, dtype):

@@ -10,20 +10,26 @@ exactly once:
 - *row* reduction (``inner == 1``): ``[outer, reduced] -> [outer]``;
 - *column* reduction (``inner > 1``): ``[outer, reduced, inner] -> [outer, inner]``.
 
-When the kept dims give too few programs to fill a GPU (columns of a
-4096x4096 matrix, a single long row), the Triton kernels cut the reduced dim
-into pieces run by separate programs (``_layout.split_count``: at least
-``GPU_TARGET_PROGRAMS``), and a second, tiny call reduces the f32 partial
-results; the Mosaic row kernel reshapes a few long rows into more rows.
+The Triton-style (GPU) kernels follow ``_layout.rows_plan`` /
+``columns_plan``, as the Triton backend does (issue 25: one pass at the
+bandwidth floor): a tile of 16 bytes a thread (128-bit loads), ``unroll``
+tiles loaded a loop step before any is used and folded elementwise into f32
+per-lane accumulators (no cross-thread work in the loop), the lanes reduced
+once at the end. When the kept dims give too few programs to fill a GPU
+(columns, a few long rows), the reduced dim is cut into pieces run by
+separate programs (at least ``_layout.GPU_FILL_PROGRAMS``, 8 CTAs per SM),
+and a second, small call reduces the f32 partial results; the Mosaic row
+kernel reshapes a few long rows into more rows.
 
 Accumulation is in f32; edge blocks are masked with the identity of the op;
 ``max``/``min`` propagate NaN like ``jnp`` (Triton's own max drops NaN, so the
 Triton kernels combine with an explicit NaN-propagating select);
-``logsumexp`` is one pass: a running max and a sum rescaled when the max grows,
-with ``jax.nn.logsumexp``'s treatment of infinite maxima; the Triton kernels
-keep them per lane (elementwise over the block) and combine the lanes once.
+``logsumexp`` is one pass: a running max and a sum rescaled when the max grows
+(Triton style: per lane, once a step; one ``exp`` an element), with
+``jax.nn.logsumexp``'s treatment of infinite maxima.
 
-Supported: float32, bfloat16, float16 (not on TPU), non-empty arrays. Integer
+Supported: float32, bfloat16, float16 (not on TPU); zero-size inputs take the
+reference. Integer
 inputs are declared unsupported (``auto`` uses xla for them). The gradient
 (custom VJP) is the reference's: written out for sum/max/min/logsumexp, and
 the reference's own VJP for prod (which handles zeros).
@@ -206,8 +212,10 @@ def _row_kernel_triton(x_ref, o_ref, *, op: str, plan: _layout.ReducePlan, fast_
     def load(j, u):
         start = piece * plan.piece_len + j * plan.step + u * br
         cols = start + lax.broadcasted_iota(jnp.int32, (bo, br), 1)
-        mask = (rows < n_outer) & (cols < n_reduced)
         block = x_ref.at[pl.ds(i * bo, bo), pl.ds(start, br)]
+        if plan.exact:   # no masks where the plan tiles the operand exactly
+            return plgpu.load(block).astype(F32)
+        mask = (rows < n_outer) & (cols < n_reduced)
         return plgpu.load(block, mask=mask, other=identity).astype(F32)
 
     result = _accumulate_triton(load, plan, op, 1, fast_exp)
@@ -335,6 +343,8 @@ def _column_kernel_triton(x_ref, o_ref, *, op: str, plan: _layout.ReducePlan,
         start = piece * plan.piece_len + j * plan.step + u * br
         rows = start + lax.broadcasted_iota(jnp.int32, (br, bi), 0)
         block = x_ref.at[o, pl.ds(start, br), pl.ds(k * bi, bi)]
+        if plan.exact:
+            return plgpu.load(block).astype(F32)
         return plgpu.load(block, mask=(rows < n_reduced) & (cols < n_inner),
                           other=identity).astype(F32)
 

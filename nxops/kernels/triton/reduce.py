@@ -155,7 +155,7 @@ def _finish(acc, s, OP: tl.constexpr, AXIS: tl.constexpr):
 def _rows_kernel(x_ptr, o_ptr, n_rows: tl.constexpr, n_cols: tl.constexpr,
                  piece_len: tl.constexpr, n_pieces: tl.constexpr, OP: tl.constexpr,
                  IDENTITY: tl.constexpr, BO: tl.constexpr, BR: tl.constexpr,
-                 UNROLL: tl.constexpr, FAST_EXP: tl.constexpr):
+                 UNROLL: tl.constexpr, FAST_EXP: tl.constexpr, EXACT: tl.constexpr):
     """``[n_rows, n_cols] -> [n_rows, n_pieces]``: program (i, p) reduces rows
     ``i*BO ...`` over columns ``[p*piece_len, (p+1)*piece_len)``, ``UNROLL``
     tiles of ``[BO, BR]`` a step. Bounds are constexprs: the masks are
@@ -169,7 +169,10 @@ def _rows_kernel(x_ptr, o_ptr, n_rows: tl.constexpr, n_cols: tl.constexpr,
     s = tl.zeros((BO, BR), tl.float32)
     for start in range(p * piece_len, (p + 1) * piece_len, UNROLL * BR):
         cols = start + steps
-        x = tl.load(base + cols, mask=row_ok & (cols < n_cols), other=IDENTITY)
+        if EXACT:
+            x = tl.load(base + cols)
+        else:
+            x = tl.load(base + cols, mask=row_ok & (cols < n_cols), other=IDENTITY)
         acc, s = _absorb(acc, s, x.to(tl.float32), OP, FAST_EXP)
     result = _finish(acc, s, OP, 1)
     tl.store(o_ptr + rows * n_pieces + p, result.to(o_ptr.dtype.element_ty), mask=rows < n_rows)
@@ -179,7 +182,7 @@ def _rows_kernel(x_ptr, o_ptr, n_rows: tl.constexpr, n_cols: tl.constexpr,
 def _columns_kernel(x_ptr, o_ptr, n_reduced: tl.constexpr, n_inner: tl.constexpr,
                     piece_len: tl.constexpr, n_pieces: tl.constexpr, OP: tl.constexpr,
                     IDENTITY: tl.constexpr, BR: tl.constexpr, BI: tl.constexpr,
-                    UNROLL: tl.constexpr, FAST_EXP: tl.constexpr):
+                    UNROLL: tl.constexpr, FAST_EXP: tl.constexpr, EXACT: tl.constexpr):
     """``[outer, n_reduced, n_inner] -> [outer, n_pieces, n_inner]``: program
     (o, k, p) reduces columns ``k*BI ...`` of slab ``o`` over rows
     ``[p*piece_len, (p+1)*piece_len)``, ``UNROLL`` tiles of ``[BR, BI]`` a step."""
@@ -192,8 +195,10 @@ def _columns_kernel(x_ptr, o_ptr, n_reduced: tl.constexpr, n_inner: tl.constexpr
     s = tl.zeros((BR, BI), tl.float32)
     for start in range(p * piece_len, (p + 1) * piece_len, UNROLL * BR):
         rows = start + steps
-        x = tl.load(base + rows * n_inner, mask=(rows < n_reduced) & col_ok,
-                    other=IDENTITY)
+        if EXACT:
+            x = tl.load(base + rows * n_inner)
+        else:
+            x = tl.load(base + rows * n_inner, mask=(rows < n_reduced) & col_ok, other=IDENTITY)
         acc, s = _absorb(acc, s, x.to(tl.float32), OP, FAST_EXP)
     result = _finish(acc, s, OP, 0)
     out = o_ptr + (o * n_pieces + p) * n_inner + cols
@@ -232,7 +237,7 @@ def _rows(x2, op: str, target: Target, out_dtype, *, split: bool = True) -> jax.
         grid=plan.grid, target=target, name=f"nxops_triton_reduce_rows_{op}",
         num_warps=plan.warps, n_rows=n_rows, n_cols=n_cols, piece_len=plan.piece_len,
         n_pieces=plan.n_pieces, OP=OPS[op], IDENTITY=IDENTITY[op], BO=bo, BR=br,
-        UNROLL=plan.unroll, FAST_EXP=target.platform == "cuda")
+        UNROLL=plan.unroll, FAST_EXP=target.platform == "cuda", EXACT=plan.exact)
     if plan.n_pieces == 1:
         return out[:, 0]
     return _rows(out, op, target, out_dtype, split=False)
@@ -249,7 +254,7 @@ def _columns(x3, op: str, target: Target, out_dtype, *, split: bool = True) -> j
         grid=plan.grid, target=target, name=f"nxops_triton_reduce_columns_{op}",
         num_warps=plan.warps, n_reduced=n_reduced, n_inner=n_inner, piece_len=plan.piece_len,
         n_pieces=plan.n_pieces, OP=OPS[op], IDENTITY=IDENTITY[op], BR=br, BI=bi,
-        UNROLL=plan.unroll, FAST_EXP=target.platform == "cuda")
+        UNROLL=plan.unroll, FAST_EXP=target.platform == "cuda", EXACT=plan.exact)
     if plan.n_pieces == 1:
         return out[:, 0, :]
     return _columns(out, op, target, out_dtype, split=False)
