@@ -121,8 +121,9 @@ def _absorb(acc, s, x, OP: tl.constexpr, FAST_EXP: tl.constexpr):
     elif OP == 3:
         acc = acc * tl.reduce(x, 0, _mul)
     else:
-        # acc: the lane's running max (never NaN: tl.maximum drops NaN, which
-        # reaches the sum through exp instead); s: its sum of exp(x - shift),
+        # acc: the lane's running max (compiled, tl.maximum drops NaN, which
+        # reaches the sum through exp instead; the interpreter keeps it in
+        # the max too: NaN either way); s: its sum of exp(x - shift),
         # shift = finite_or_zero(acc). The old sum is rescaled by
         # exp(old max - new shift): 0 for an old max of -inf, whatever s was.
         new = tl.maximum(acc, tl.max(x, 0))
@@ -159,7 +160,8 @@ def _rows_kernel(x_ptr, o_ptr, n_rows: tl.constexpr, n_cols: tl.constexpr,
     """``[n_rows, n_cols] -> [n_rows, n_pieces]``: program (i, p) reduces rows
     ``i*BO ...`` over columns ``[p*piece_len, (p+1)*piece_len)``, ``UNROLL``
     tiles of ``[BO, BR]`` a step. Bounds are constexprs: the masks are
-    constant over a thread's 16 bytes where ``n_cols`` allows it."""
+    constant over a thread's 16 bytes where ``n_cols`` allows it (128-bit
+    loads), and absent where the plan tiles the operand exactly (``EXACT``)."""
     i, p = tl.program_id(0), tl.program_id(1)
     rows = i * BO + tl.arange(0, BO)
     row_ok = (rows < n_rows)[None, :, None]
