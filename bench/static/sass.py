@@ -201,5 +201,28 @@ def reduction_table(arch: str = "h100", backends=("pallas", "triton"),
     return "\n".join(rows)
 
 
+_SASS_MD_HEADER = """# The one-pass reductions' machine code, compiled for an H100 (no GPU needed)
+
+Written by `python -m bench.static.sass` (JAX_PLATFORMS=cpu, the `compile` and
+`triton` extras; `tests/static/test_reduce_sass.py` checks the same facts in
+CI). Each case is compiled by XLA's GPU compiler for `targets/h100_sxm.txtpb`;
+ptxas (nvcc wheel) assembles each kernel's PTX for sm_90a and nvdisasm
+disassembles it. *load bits*: the width of every global load (LDG) in the
+kernel. *loads / element*: the bytes a program loads over its piece (the main
+loop's loads times its trips, or all loads where ptxas unrolled the piece),
+over the bytes of the piece (1.00: each element once). *ex2* and *instr /
+element*: MUFU.EX2 and all instructions of the main loop, per element it
+covers (`-`: no loop left). A case's second row is the pass over the f32
+partials. No timing: these are structural facts, not speed.
+
+"""
+
+
+def main() -> None:
+    out = pathlib.Path(__file__).with_name("SASS.md")
+    out.write_text(_SASS_MD_HEADER + reduction_table() + "\n")
+    print(f"wrote {out}")
+
+
 if __name__ == "__main__":
-    print(reduction_table())
+    main()
