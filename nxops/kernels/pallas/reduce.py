@@ -186,9 +186,8 @@ def _accumulate_triton(load, plan: _layout.ReducePlan, op: str, axis: int, fast_
     at the end. The result keeps ``axis`` as size 1. ``fast_exp``: compiled
     (inline PTX), not interpreted."""
     exp = _fast_exp if fast_exp else _exp
-    init = jnp.full(plan.block, _MONOIDS[op].identity, F32)
-    if op == "logsumexp":
-        init = (init, jnp.zeros(plan.block, F32))
+    lanes = jnp.full(plan.block, _MONOIDS[op].identity, F32)
+    init = (lanes, jnp.zeros(plan.block, F32)) if op == "logsumexp" else lanes
     carry = lax.fori_loop(
         0, plan.piece_len // plan.step,
         lambda j, carry: _absorb(carry, [load(j, u) for u in range(plan.unroll)], op, exp), init)
