@@ -67,7 +67,6 @@ class LoadFacts:
 _INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 _LABEL = re.compile(r"^(\.L_x_\d+):", re.M)
 _TARGET = re.compile(r"`\((\.L_x_\d+)\)")
-_FUNCTION = re.compile(r"\.text\.(\S+)\s")
 _EXCHANGE = ("SHFL", "BAR", "LDS", "STS", "REDUX")
 
 

@@ -45,7 +45,6 @@ from nxops.kernels._registry import Kernel, register
 from nxops.kernels import _layout
 from nxops.kernels._layout import canonical_view
 from nxops.kernels.triton import _batching, _common
-from nxops.kernels.triton._common import cdiv
 from nxops.kernels.triton._launch import Target, launch, target_for
 from nxops.kernels.xla import reduce as xla_reduce
 
