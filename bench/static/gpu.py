@@ -75,6 +75,22 @@ class KernelStats:
     static_smem: int | None
     tensor_core: str | None       # e.g. 'wgmma.m64n128k16', 'mma.m16n8k16'
     ctas_per_sm: int | None
+    ptx: str | None = dataclasses.field(default=None, repr=False, compare=False)
+    sm_name: str | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def loads(self):
+        """Its global loads as the SASS has them (``bench.static.sass.LoadFacts``)."""
+        from bench.static import sass
+        if self.ptx is None:
+            raise LookupError(f"{self.name}: no PTX was dumped for this kernel")
+        return sass.load_facts(self.ptx, self.sm_name)[self.entry]
+
+    @property
+    def entry(self) -> str:
+        """Its PTX entry: its name (XLA), or the one entry of its PTX
+        (jax-triton names it after the @triton.jit function)."""
+        entries = re.findall(r"\.entry\s+(\w+)", self.ptx or "")
+        return self.name if self.name in entries or not entries else entries[0]
 
     @property
     def blocks(self) -> int:
@@ -191,7 +207,8 @@ def _read_triton_dump(dump: pathlib.Path, launches, arch: Arch) -> list[KernelSt
         threads = (32 * launch.num_warps, 1, 1)
         grid = tuple(launch.grid) + (1,) * (3 - len(launch.grid))
         stats.append(KernelStats(launch.name, grid, threads, smem, regs, stores, loads, static,
-                                 tensor_core, _ctas_per_sm(arch, threads, regs, smem + static)))
+                                 tensor_core, _ctas_per_sm(arch, threads, regs, smem + static),
+                                 ptx, arch.sm_name))
     return stats
 
 
@@ -205,19 +222,22 @@ def _read_dump(dump: pathlib.Path, arch: Arch) -> list[KernelStats]:
         for m in _LAUNCH.finditer(path.read_text()):
             launches[m.group(1)] = (tuple(map(int, m.group(2, 3, 4))),
                                     tuple(map(int, m.group(5, 6, 7))), int(m.group(8)))
-    assembled, tensor_cores = {}, {}
+    assembled, tensor_cores, ptx_of = {}, {}, {}
     for path in dump.glob("*.ptx"):
         ptx = path.read_text()
         if ".version" not in ptx:   # XLA leaves empty PTX files for modules with no kernel
             continue
-        assembled.update(_ptxas(ptx, arch.sm_name))
+        entries = _ptxas(ptx, arch.sm_name)
+        assembled.update(entries)
+        ptx_of.update(dict.fromkeys(entries, ptx))
         tensor_cores.update(_tensor_core_instructions(ptx))
     stats = []
     for name, (grid, threads, smem) in sorted(launches.items()):
         regs, stores, loads, static = assembled.get(name, (None, None, None, None))
         stats.append(KernelStats(name, grid, threads, smem, regs, stores, loads, static,
                                  tensor_cores.get(name),
-                                 _ctas_per_sm(arch, threads, regs, smem + (static or 0))))
+                                 _ctas_per_sm(arch, threads, regs, smem + (static or 0)),
+                                 ptx_of.get(name), arch.sm_name))
     return stats
 
 

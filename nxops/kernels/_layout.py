@@ -2,6 +2,7 @@
 the positional plumbing that is the same for Pallas and Triton kernels."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 
@@ -24,7 +25,13 @@ def canonical_view(shape: tuple[int, ...], axes: tuple[int, ...]):
 
 # Programs a GPU launch should have: two per SM on an H100 (132 SMs; an A100
 # has 108). Reductions and split-K matmuls split their long axis to get there.
-GPU_TARGET_PROGRAMS = 2 * 132
+GPU_SM_COUNT = 132
+GPU_TARGET_PROGRAMS = 2 * GPU_SM_COUNT
+
+# Programs a memory-bound launch wants (the one-pass reductions): eight CTAs
+# of 128 threads per SM, whose loads in flight (64 bytes a thread) cover HBM
+# latency at full bandwidth; two per SM keep only about a third of it busy.
+GPU_FILL_PROGRAMS = 8 * GPU_SM_COUNT
 
 # A split never leaves a program fewer than this many blocks to walk (the
 # second pass and the launch must stay small next to the first).
@@ -43,3 +50,116 @@ def split_count(programs: int, n_blocks: int, *, target: int = GPU_TARGET_PROGRA
         return 1, n_blocks
     per_piece = n_blocks // split          # floor: at least `split` pieces
     return cdiv(n_blocks, per_piece), per_piece
+
+
+# ---------------------------------------------------------------------------
+# One-pass GPU reductions (Pallas and Triton kernels plan alike)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReduceKnobs:
+    """What a backend's one-pass reduction may use (tests shrink them)."""
+
+    tile: int = 4096              # cap on a tile's elements
+    max_reduced_block: int = 1024  # cap on a rows tile's width
+    target_programs: int = GPU_FILL_PROGRAMS
+    min_steps: int = MIN_STEPS_PER_PROGRAM
+    unroll: int = 4               # tiles a loop step loads before using any
+    warps: int = 4
+    sm_count: int = GPU_SM_COUNT
+
+
+@dataclasses.dataclass(frozen=True)
+class ReducePlan:
+    """How a kernel covers ``[outer, reduced, inner]``: each program loads
+    ``unroll`` tiles of ``block`` a step (rows: ``(BO, BR)``; columns:
+    ``(BR, BI)``), over ``piece_len`` of the reduced dim (a whole number of
+    steps; piece ``p`` starts at ``p * piece_len``)."""
+
+    block: tuple[int, int]
+    unroll: int
+    piece_len: int
+    n_pieces: int
+    grid: tuple[int, ...]
+    warps: int
+    exact: bool   # the blocks and pieces tile the operand exactly: no masks
+
+    @property
+    def step(self) -> int:
+        """Elements of the reduced dim a step advances."""
+        reduced = self.block[1] if len(self.grid) == 2 else self.block[0]
+        return self.unroll * reduced
+
+
+def vector(itemsize: int) -> int:
+    """Elements of one 16-byte (128-bit) load."""
+    return 16 // itemsize
+
+
+def _tile(itemsize: int, knobs: ReduceKnobs) -> int:
+    """A tile's elements: one 16-byte load per thread."""
+    return min(knobs.tile, knobs.warps * 32 * vector(itemsize))
+
+
+def _warps(elements: int, itemsize: int, knobs: ReduceKnobs) -> int:
+    return max(1, min(knobs.warps, elements // (32 * vector(itemsize))))
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def _pieces(n_reduced: int, step: int, programs: int, split: bool, knobs: ReduceKnobs):
+    """(piece length, pieces): whole steps each; when the steps tile the axis,
+    up to twice the pieces ``split_count`` asks for, to tile it exactly (a
+    plan that tiles the operand loads without masks)."""
+    n_steps = cdiv(n_reduced, step)
+    if not split:
+        return n_steps * step, 1
+    n_pieces, per_piece = split_count(programs, n_steps, target=knobs.target_programs,
+                                      min_steps=knobs.min_steps)
+    if n_pieces > 1 and n_reduced % step == 0:
+        for pieces in range(n_pieces, 2 * n_pieces + 1):
+            if n_steps % pieces == 0 and n_steps // pieces >= knobs.min_steps:
+                return n_steps // pieces * step, pieces
+    return per_piece * step, n_pieces
+
+
+def _unroll(n_reduced: int, block: int, knobs: ReduceKnobs) -> int:
+    return min(knobs.unroll, _next_power_of_2(cdiv(n_reduced, block)))
+
+
+def rows_plan(n_rows: int, n_cols: int, itemsize: int, knobs: ReduceKnobs, *,
+              split: bool = True) -> ReducePlan:
+    """``[n_rows, n_cols] -> [n_rows, n_pieces]``: ``BO`` rows a program,
+    long rows cut into pieces when the rows alone give too few programs."""
+    tile = _tile(itemsize, knobs)
+    br = min(_next_power_of_2(n_cols), knobs.max_reduced_block, tile)
+    bo = max(1, min(_next_power_of_2(n_rows), tile // br))
+    unroll = _unroll(n_cols, br, knobs)
+    programs = cdiv(n_rows, bo)
+    piece_len, n_pieces = _pieces(n_cols, unroll * br, programs, split, knobs)
+    return ReducePlan((bo, br), unroll, piece_len, n_pieces, (programs, n_pieces),
+                      _warps(bo * br, itemsize, knobs),
+                      exact=n_rows % bo == 0 and piece_len * n_pieces == n_cols)
+
+
+def columns_plan(n_outer: int, n_reduced: int, n_inner: int, itemsize: int, knobs: ReduceKnobs,
+                 *, split: bool = True) -> ReducePlan:
+    """``[outer, n_reduced, n_inner] -> [outer, n_pieces, n_inner]``: ``BI``
+    columns a program, a warp's 16-byte loads side by side (512 contiguous
+    bytes a tile row); the reduced dim cut into pieces when the columns give
+    too few programs. A second pass (``split=False``, over partials) takes
+    narrower blocks, down to 64 bytes (two 32-byte sectors), until it has a
+    program per SM (4096^2's partials ran on 4 programs in 512-byte blocks)."""
+    tile = _tile(itemsize, knobs)
+    bi = min(_next_power_of_2(n_inner), 32 * vector(itemsize), tile)
+    while not split and n_outer * cdiv(n_inner, bi) < knobs.sm_count and bi > 4 * vector(itemsize):
+        bi //= 2
+    br = max(1, min(_next_power_of_2(n_reduced), tile // bi))
+    unroll = _unroll(n_reduced, br, knobs)
+    programs = n_outer * cdiv(n_inner, bi)
+    piece_len, n_pieces = _pieces(n_reduced, unroll * br, programs, split, knobs)
+    return ReducePlan((br, bi), unroll, piece_len, n_pieces,
+                      (n_outer, cdiv(n_inner, bi), n_pieces), _warps(br * bi, itemsize, knobs),
+                      exact=n_inner % bi == 0 and piece_len * n_pieces == n_reduced)

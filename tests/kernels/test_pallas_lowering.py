@@ -80,33 +80,33 @@ def test_reduce_gradient_lowers(platform):
             text = lower_text(jax.value_and_grad(lambda x: jnp.sum(
                 pallas_reduce.reduce(x, axes=axes, op=op, platform=platform))),
                 spec((16, 24, 50), jnp.float32), platform=platform)
-            # cuda logsumexp over axis 0: 2 column programs walking 8 blocks
-            # of 2 rows each, cut into 2 pieces, then the partials reduced.
-            split = platform == "cuda" and op == "logsumexp" and axes == (0,)
-            assert_only_pallas_calls(text, platform, 2 if split else 1, "nxops_reduce_")
+            # cuda over axis 0: 10 programs of 128 columns, each one step
+            # of 4 tiles of 4 rows: too short to cut into pieces.
+            assert_only_pallas_calls(text, platform, 1, "nxops_reduce_")
 
 
 def test_reduce_blocks_cuda():
-    # rows kernel: row block 1024 (cap), 4096 // 1024 = 4 rows per program,
-    # 4096 / 4 = 1024 programs, a 4096-element tile -> 8 warps.
+    # rows kernel (_layout.rows_plan): a 512-element tile of 16 bytes a thread
+    # (4 warps), one row a program (4096 programs), two tiles a step.
     text = lower_text(lambda x: pallas_reduce.reduce(x, axes=(1,), op="sum", platform="cuda"),
                       spec((4096, 1000), jnp.float32), platform="cuda")
     (call,) = kernel_calls(text, "cuda")
-    assert call["grid"] == (1024, 1, 1) and call["num_warps"] == 8
-    # columns kernel: inner block 1024, reduced block 4096 // 1024 = 4; a
-    # program per (outer, inner block) would be 8 x 4 = 32: the 750 reduced
-    # blocks are cut into 10 pieces of 75 (320 programs >= _layout.GPU_TARGET_PROGRAMS),
-    # then a second call reduces the 10 partial rows, in 128-column blocks so
-    # that it too has a program per SM (8 x 32 = 256 >= 132; 1024 would give 32).
+    assert call["grid"] == (4096, 1, 1) and call["num_warps"] == 4
+    # columns kernel: 256 bf16 columns (a warp's 16-byte loads side by side)
+    # by 4 rows, 4 tiles a step: 8 x 16 = 128 programs walking 188 steps,
+    # cut into 10 pieces of 20 (1280 programs >= _layout.GPU_FILL_PROGRAMS),
+    # then a second call reduces the 10 partial rows, in 128-column blocks
+    # (8 x 32 = 256 programs >= 132 SMs).
     text = lower_text(lambda x: pallas_reduce.reduce(x, axes=(1,), op="max", platform="cuda"),
                       spec((8, 3000, 4096), jnp.bfloat16), platform="cuda")
     first, second = kernel_calls(text, "cuda")
-    assert first["grid"] == (8, 4, 10) and second["grid"] == (8, 32, 1)
-    # One slab (4096^2 columns): 264 first-pass programs, 256 in the second (16 columns).
+    assert first["grid"] == (8, 16, 10) and second["grid"] == (8, 32, 1)
+    # One slab (4096^2 columns): 256 steps in 64 pieces that tile them
+    # exactly (1024 programs), 256 in the second pass (16 columns each).
     text = lower_text(lambda x: pallas_reduce.reduce(x, axes=(0,), op="max", platform="cuda"),
                       spec((4096, 4096), jnp.bfloat16), platform="cuda")
     first, second = kernel_calls(text, "cuda")
-    assert math.prod(first["grid"]) >= 264 and second["grid"] == (1, 256, 1)
+    assert first["grid"] == (1, 16, 64) and second["grid"] == (1, 256, 1)
 
 
 def test_reduce_blocks_tpu():

@@ -101,8 +101,9 @@ def test_reduced_axis_is_split_across_programs_and_the_partials_recombine(
         small_blocks, shape, axes):
     """Few programs on a long reduced axis: the wrapper cuts it into pieces."""
     x = _values(np.random.default_rng(1), shape, "logsumexp", jnp.float32, specials=False)
-    programs = shape[0] // 4 + 1 if axes == (1,) else 1
-    assert triton_reduce.pieces(shape[axes[0]], 8, programs)[1] > 1
+    plan = (triton_reduce.rows_plan(*shape, jnp.float32) if axes == (1,)
+            else triton_reduce.columns_plan(1, *shape, jnp.float32))
+    assert plan.n_pieces > 1, plan
     for op in OPS:
         _assert_matches(reduce_kernel(x, axes=axes, op=op),
                         xla_reduce.reduce(x, axes=axes, op=op), jnp.float32, scale=10.0)

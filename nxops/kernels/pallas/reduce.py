@@ -10,20 +10,26 @@ exactly once:
 - *row* reduction (``inner == 1``): ``[outer, reduced] -> [outer]``;
 - *column* reduction (``inner > 1``): ``[outer, reduced, inner] -> [outer, inner]``.
 
-When the kept dims give too few programs to fill a GPU (columns of a
-4096x4096 matrix, a single long row), the Triton kernels cut the reduced dim
-into pieces run by separate programs (``_layout.split_count``: at least
-``GPU_TARGET_PROGRAMS``), and a second, tiny call reduces the f32 partial
-results; the Mosaic row kernel reshapes a few long rows into more rows.
+The Triton-style (GPU) kernels follow ``_layout.rows_plan`` /
+``columns_plan``, as the Triton backend does (issue 25: one pass at the
+bandwidth floor): a tile of 16 bytes a thread (128-bit loads), ``unroll``
+tiles loaded a loop step before any is used and folded elementwise into f32
+per-lane accumulators (no cross-thread work in the loop), the lanes reduced
+once at the end. When the kept dims give too few programs to fill a GPU
+(columns, a few long rows), the reduced dim is cut into pieces run by
+separate programs (at least ``_layout.GPU_FILL_PROGRAMS``, 8 CTAs per SM),
+and a second, small call reduces the f32 partial results; the Mosaic row
+kernel reshapes a few long rows into more rows.
 
 Accumulation is in f32; edge blocks are masked with the identity of the op;
 ``max``/``min`` propagate NaN like ``jnp`` (Triton's own max drops NaN, so the
 Triton kernels combine with an explicit NaN-propagating select);
-``logsumexp`` is one pass: a running max and a sum rescaled when the max grows,
-with ``jax.nn.logsumexp``'s treatment of infinite maxima; the Triton kernels
-keep them per lane (elementwise over the block) and combine the lanes once.
+``logsumexp`` is one pass: a running max and a sum rescaled when the max grows
+(Triton style: per lane, once a step; one ``exp`` an element), with
+``jax.nn.logsumexp``'s treatment of infinite maxima.
 
-Supported: float32, bfloat16, float16 (not on TPU), non-empty arrays. Integer
+Supported: float32, bfloat16, float16 (not on TPU); zero-size inputs take the
+reference. Integer
 inputs are declared unsupported (``auto`` uses xla for them). The gradient
 (custom VJP) is the reference's: written out for sum/max/min/logsumexp, and
 the reference's own VJP for prod (which handles zeros).
@@ -121,80 +127,97 @@ def _lse_finish(m, s):
     return jnp.log(s) + _finite_or_zero(m)
 
 
-def _lse_lane_update(m, s, x):
-    """One logsumexp step *per lane* (elementwise over the block, no reduction):
-    ``m`` is the lane's running max, ``s`` its sum of ``exp(x - finite(m))``.
-    One exp per element: when ``x`` raises the max, the old sum is rescaled by
-    ``exp(m - x)`` and ``x`` adds 1 (inf when ``x`` is inf); else ``x`` adds
-    ``exp(x - m)``. NaN propagates through ``exp``; ``s == 0`` (only -inf so
-    far) stays 0."""
-    m_new = _nan_max(m, x)
-    shift_new = _finite_or_zero(m_new)
-    grew = x > m
-    e = jnp.exp(jnp.where(grew, _finite_or_zero(m), x) - shift_new)
-    raised = jnp.where(s == 0, 0.0, s * e) + jnp.where(x == jnp.inf, jnp.inf, 1.0)
-    return m_new, jnp.where(grew, raised, s + e)
+LOG2E = math.log2(math.e)
 
 
-def _lse_lanes_finish(m, s, axis: int):
-    """Combines per-lane ``(m_i, s_i)`` along ``axis`` once (keepdims):
-    ``M = max m_i``, ``S = sum s_i * exp(finite(m_i) - finite(M))``."""
-    m_all = _halving_reduce(m, axis, _nan_max)
-    scale = jnp.exp(_finite_or_zero(m) - _finite_or_zero(m_all))
-    s_all = jnp.sum(jnp.where(s == 0, 0.0, s * scale), axis=axis, keepdims=True)
-    return _lse_finish(m_all, s_all)
+def _knobs() -> _layout.ReduceKnobs:
+    """The Triton-style plan's limits: the ``triton`` block caps (tests shrink them)."""
+    return _layout.ReduceKnobs(tile=_common.cap("triton", "tile"),
+                               max_reduced_block=_common.cap("triton", "cols"))
 
 
-# logsumexp keeps two statistics per lane (max and sum): it loads half the
-# elements per step with the same warps (8 values a thread with the default
-# tile: ~50 registers, 4 CTAs per H100 SM instead of 2-3).
-_STATS_PER_LANE = {"logsumexp": 2}
+def _exp(v):
+    """``exp`` in interpret mode (and the reference of :func:`_fast_exp`)."""
+    return jnp.exp(v)
 
 
-def _triton_tile(op: str) -> int:
-    """Elements a Triton reduction program loads per step."""
-    return _common.cap("triton", "tile") // _STATS_PER_LANE.get(op, 1)
+def _fast_exp(v):
+    """``exp`` compiled for a GPU: one MUFU.EX2 an element (``ex2.approx.ftz``:
+    results under 2**-126 flush to 0, nothing next to a sum); ``jnp.exp``
+    lowers to ``__nv_expf`` and ``jnp.exp2`` to a denormal fix-up around it,
+    four to six instructions more an element."""
+    (out,) = plgpu.elementwise_inline_asm(
+        "ex2.approx.ftz.f32 $0, $1;", args=[v * LOG2E], constraints="=r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape, F32)])
+    return out
 
 
-def _warps(op: str, elements: int) -> int:
-    return _common.num_warps_for(elements * _STATS_PER_LANE.get(op, 1))
-
-
-def _accumulate_triton(load, n_steps: int, op: str, block: tuple[int, int], axis: int):
-    """Loops ``load(j)`` over the reduced dim inside a Triton kernel (no scratch
-    memory there), accumulating per lane in f32 (elementwise over the block)
-    and reducing across lanes once at the end; the result keeps ``axis`` as
-    size 1."""
+def _absorb(carry, tiles, op: str, exp: Callable):
+    """One step of a Triton-style kernel: the per-lane accumulator (and
+    logsumexp's sum) absorbs ``tiles``, equal-shaped blocks that the same
+    threads hold, so folding them is elementwise (no cross-thread reduction).
+    logsumexp: ``m`` is the lane's running max, ``s`` its sum of
+    ``exp(x - finite(m))``, rescaled once a step by ``exp(old m - finite(new
+    m))`` (0 for an old max of -inf, whatever the sum); NaN reaches the sum
+    through ``exp`` (Triton's max drops it); one ``exp`` an element."""
     if op == "logsumexp":
-        init = (jnp.full(block, -jnp.inf, F32), jnp.zeros(block, F32))
-        m, s = lax.fori_loop(0, n_steps, lambda j, carry: _lse_lane_update(*carry, load(j)), init)
-        return _lse_lanes_finish(m, s, axis)
-    monoid = _MONOIDS[op]
-    acc = lax.fori_loop(0, n_steps, lambda j, acc: monoid.combine(acc, load(j)),
-                        jnp.full(block, monoid.identity, F32))
-    return _reduce_block(acc, axis, op, "triton")
+        m, s = carry
+        m_new = functools.reduce(jnp.maximum, tiles, m)
+        shift = _finite_or_zero(m_new)
+        s = s * exp(m - shift) + functools.reduce(jnp.add, [exp(t - shift) for t in tiles])
+        return m_new, s
+    combine = _MONOIDS[op].combine
+    return combine(carry, functools.reduce(combine, tiles))
+
+
+def _finish_lanes(carry, op: str, axis: int, exp: Callable):
+    """Reduces the lanes along ``axis`` once (keepdims): the block's result."""
+    if op != "logsumexp":
+        return _reduce_block(carry, axis, op, "triton")
+    m, s = carry
+    shift = _finite_or_zero(jnp.max(m, axis=axis, keepdims=True))
+    return jnp.log(jnp.sum(s * exp(m - shift), axis=axis, keepdims=True)) + shift
+
+
+def _accumulate_triton(load, plan: _layout.ReducePlan, op: str, axis: int, fast_exp: bool):
+    """Loops over the program's piece inside a Triton kernel (no scratch
+    memory there): step ``j`` loads ``plan.unroll`` tiles (``load(j, u)``)
+    before using any, accumulated per lane in f32; the lanes are reduced once
+    at the end. The result keeps ``axis`` as size 1. ``fast_exp``: compiled
+    (inline PTX), not interpreted."""
+    exp = _fast_exp if fast_exp else _exp
+    lanes = jnp.full(plan.block, _MONOIDS[op].identity, F32)
+    init = (lanes, jnp.zeros(plan.block, F32)) if op == "logsumexp" else lanes
+    carry = lax.fori_loop(
+        0, plan.piece_len // plan.step,
+        lambda j, carry: _absorb(carry, [load(j, u) for u in range(plan.unroll)], op, exp), init)
+    return _finish_lanes(carry, op, axis, exp)
 
 
 # ---------------------------------------------------------------------------
 # Row reduction [outer, reduced] -> [outer]
 
 
-def _row_kernel_triton(x_ref, o_ref, *, op: str, bo: int, br: int, piece_blocks: int):
-    """Program (i, p) reduces rows block i over piece p of the row
-    (``piece_blocks`` blocks of ``br``) into ``o[rows, p]``."""
+def _row_kernel_triton(x_ref, o_ref, *, op: str, plan: _layout.ReducePlan, fast_exp: bool):
+    """Program (i, p) reduces rows block i over piece p of the row into
+    ``o[rows, p]``. Bounds are static: a mask is constant over a thread's 16
+    bytes where the row length allows (128-bit loads)."""
     n_outer, n_reduced = x_ref.shape
+    bo, br = plan.block
     i, piece = pl.program_id(0), pl.program_id(1)
     rows = i * bo + lax.broadcasted_iota(jnp.int32, (bo, br), 0)
     identity = _MONOIDS[op].identity
 
-    def load(j):
-        start = (piece * piece_blocks + j) * br
+    def load(j, u):
+        start = piece * plan.piece_len + j * plan.step + u * br
         cols = start + lax.broadcasted_iota(jnp.int32, (bo, br), 1)
-        mask = (rows < n_outer) & (cols < n_reduced)
         block = x_ref.at[pl.ds(i * bo, bo), pl.ds(start, br)]
+        if plan.exact:   # no masks where the plan tiles the operand exactly
+            return plgpu.load(block).astype(F32)
+        mask = (rows < n_outer) & (cols < n_reduced)
         return plgpu.load(block, mask=mask, other=identity).astype(F32)
 
-    result = _accumulate_triton(load, piece_blocks, op, (bo, br), axis=1)
+    result = _accumulate_triton(load, plan, op, 1, fast_exp)
     out_rows = i * bo + jnp.arange(bo)
     plgpu.store(o_ref.at[pl.ds(i * bo, bo), piece], result[:, 0].astype(o_ref.dtype),
                 mask=out_rows < n_outer)
@@ -242,23 +265,15 @@ def _row_reduce_call(x2, op: str, target: Target, out_dtype, *, may_split: bool 
     style = target.style
     pow2 = op == "prod"
     if style == "triton":
-        tile = _triton_tile(op)
-        bo = _common.block_size(style, n_outer, "rows")
-        # A few long rows take wider blocks (a whole tile for one row), so
-        # that each program keeps all its warps busy.
-        wide = max(_common.cap(style, "cols"), tile // bo)
-        br = min(_common.next_power_of_2(n_reduced), _common.next_power_of_2(wide), tile)
-        bo = min(bo, max(1, tile // br))
-        n_blocks = pl.cdiv(n_reduced, br)
-        split, piece_blocks = (_layout.split_count(pl.cdiv(n_outer, bo), n_blocks) if may_split
-                               else (1, n_blocks))
-        kernel = functools.partial(_row_kernel_triton, op=op, bo=bo, br=br,
-                                   piece_blocks=piece_blocks)
+        plan = _layout.rows_plan(n_outer, n_reduced, x2.dtype.itemsize, _knobs(), split=may_split)
+        split = plan.n_pieces
         out = pl.pallas_call(
-            kernel, out_shape=jax.ShapeDtypeStruct((n_outer, split), F32 if split > 1 else out_dtype),
-            grid=(pl.cdiv(n_outer, bo), split), name=f"nxops_reduce_rows_{op}",
+            functools.partial(_row_kernel_triton, op=op, plan=plan,
+                              fast_exp=not target.interpret),
+            out_shape=jax.ShapeDtypeStruct((n_outer, split), F32 if split > 1 else out_dtype),
+            grid=plan.grid, name=f"nxops_reduce_rows_{op}",
             cost_estimate=_common.reduce_cost(x2, (n_outer, split), out_dtype, op),
-            **_common.call_kwargs(target, num_warps=_warps(op, bo * br)),
+            **_common.call_kwargs(target, num_warps=plan.warps),
         )(x2)
         return out if split > 1 else out[:, 0]
     br = _common.block_size(style, n_reduced, "cols", power_of_2=pow2, align=128)
@@ -313,65 +328,47 @@ def _row_reduce(x2, op: str, target: Target) -> jax.Array:
 # Column reduction [outer, reduced, inner] -> [outer, inner]
 
 
-def _column_kernel_triton(x_ref, o_ref, *, op: str, br: int, bi: int, piece_blocks: int):
+def _column_kernel_triton(x_ref, o_ref, *, op: str, plan: _layout.ReducePlan,
+                          fast_exp: bool):
     """Program (o, k, p) reduces columns block k of slab o over piece p of
-    the reduced dim (``piece_blocks`` blocks of ``br``) into ``o[o, p, cols]``."""
+    the reduced dim into ``o[o, p, cols]``."""
     _, n_reduced, n_inner = x_ref.shape
+    br, bi = plan.block
     o, k, piece = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cols = k * bi + lax.broadcasted_iota(jnp.int32, (br, bi), 1)
     identity = _MONOIDS[op].identity
 
-    def load(j):
-        start = (piece * piece_blocks + j) * br
+    def load(j, u):
+        start = piece * plan.piece_len + j * plan.step + u * br
         rows = start + lax.broadcasted_iota(jnp.int32, (br, bi), 0)
         block = x_ref.at[o, pl.ds(start, br), pl.ds(k * bi, bi)]
+        if plan.exact:
+            return plgpu.load(block).astype(F32)
         return plgpu.load(block, mask=(rows < n_reduced) & (cols < n_inner),
                           other=identity).astype(F32)
 
-    result = _accumulate_triton(load, piece_blocks, op, (br, bi), axis=0)
+    result = _accumulate_triton(load, plan, op, 0, fast_exp)
     out_cols = k * bi + jnp.arange(bi)
     plgpu.store(o_ref.at[o, piece, pl.ds(k * bi, bi)], result[0].astype(o_ref.dtype),
                 mask=out_cols < n_inner)
 
 
-# The narrowest column block of a second pass: 16 f32 lanes (64 bytes, two
-# 32-byte sectors per row read).
-_MIN_SECOND_PASS_COLUMNS = 16
-
-
-def _second_pass_columns(bi: int, n_outer: int, n_inner: int) -> int:
-    """``bi`` halved until the second pass over the partials has a program
-    per SM (``GPU_TARGET_PROGRAMS // 2``): in 1024-column blocks, 4096^2's
-    partials ran on 4 programs."""
-    while (n_outer * pl.cdiv(n_inner, bi) < _layout.GPU_TARGET_PROGRAMS // 2
-           and bi > _MIN_SECOND_PASS_COLUMNS):
-        bi //= 2
-    return bi
-
-
-def _column_reduce_triton(x3, op: str, target: Target, out_dtype, *, may_split: bool,
-                          second_pass: bool = False) -> jax.Array:
+def _column_reduce_triton(x3, op: str, target: Target, out_dtype, *, may_split: bool
+                          ) -> jax.Array:
     """``[outer, reduced, inner] -> [outer, split, inner]``: f32 partial
     results of ``split`` pieces of the reduced dim (``out_dtype`` when
-    ``split == 1``). ``second_pass``: ``x3`` holds a first pass's partials;
-    narrower column blocks give it more programs."""
+    ``split == 1``). Without ``may_split``, ``x3`` holds a first pass's
+    partials: narrower column blocks give that pass more programs."""
     n_outer, n_reduced, n_inner = x3.shape
-    style = target.style
-    tile = _triton_tile(op)
-    bi = min(_common.block_size(style, n_inner, "cols"), tile)
-    if second_pass:
-        bi = _second_pass_columns(bi, n_outer, n_inner)
-    br = _common.block_size(style, n_reduced, "rows")
-    br = min(br, max(1, tile // bi))
-    n_blocks = pl.cdiv(n_reduced, br)
-    split, piece_blocks = (_layout.split_count(n_outer * pl.cdiv(n_inner, bi), n_blocks)
-                           if may_split else (1, n_blocks))
+    plan = _layout.columns_plan(n_outer, n_reduced, n_inner, x3.dtype.itemsize, _knobs(),
+                                split=may_split)
+    split = plan.n_pieces
     return pl.pallas_call(
-        functools.partial(_column_kernel_triton, op=op, br=br, bi=bi, piece_blocks=piece_blocks),
+        functools.partial(_column_kernel_triton, op=op, plan=plan, fast_exp=not target.interpret),
         out_shape=jax.ShapeDtypeStruct((n_outer, split, n_inner), F32 if split > 1 else out_dtype),
-        grid=(n_outer, pl.cdiv(n_inner, bi), split), name=f"nxops_reduce_columns_{op}",
+        grid=plan.grid, name=f"nxops_reduce_columns_{op}",
         cost_estimate=_common.reduce_cost(x3, (n_outer, split, n_inner), out_dtype, op),
-        **_common.call_kwargs(target, num_warps=_warps(op, br * bi)),
+        **_common.call_kwargs(target, num_warps=plan.warps),
     )(x3)
 
 
@@ -383,8 +380,7 @@ def _column_reduce(x3, op: str, target: Target) -> jax.Array:
         # reduced dim is cut into pieces, whose f32 partials a second call reduces.
         partial = _column_reduce_triton(x3, op, target, x3.dtype, may_split=True)
         if partial.shape[1] > 1:
-            partial = _column_reduce_triton(partial, op, target, x3.dtype, may_split=False,
-                                            second_pass=True)
+            partial = _column_reduce_triton(partial, op, target, x3.dtype, may_split=False)
         return partial[:, 0, :]
     br = _common.block_size(style, n_reduced, "rows", power_of_2=op == "prod", align=8)
     bi = _common.block_size(style, n_inner, "cols", align=128)
@@ -416,6 +412,8 @@ def _normalize_axes(axes, ndim: int) -> tuple[int, ...]:
 def reduce_forward(x: jax.Array, axes: tuple[int, ...], op: str, target: Target) -> jax.Array:
     """The kernel path of :func:`reduce` (no custom VJP)."""
     axes = _normalize_axes(axes, x.ndim)
+    if x.size == 0:   # nothing to launch: the reference's -inf, 0, or error
+        return xla_reduce.reduce(x, axes=axes, op=op)
     out_shape = tuple(n for d, n in enumerate(x.shape) if d not in axes)
     permutation, (n_outer, n_reduced, n_inner) = canonical_view(x.shape, axes)
     if permutation is not None:

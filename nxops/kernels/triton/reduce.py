@@ -10,21 +10,26 @@ kernel does: no data moves when the reduced axes are contiguous), then
 - *columns* (``inner > 1``): program ``(o, k, p)`` reduces ``BI`` columns of
   slab ``o`` over piece ``p``.
 
-Kernel parameters follow jax-triton's order: inputs and scalars, outputs,
-constexprs. Sizes are constexprs (one compile per shape, as everywhere in
-JAX): known divisibility lets Triton issue 16-byte vector loads, which it
-cannot prove for runtime sizes (scalar loads only). Each program keeps one f32 accumulator *per lane* of its ``[BO, BR]`` /
-``[BR, BI]`` block and combines elementwise on every step; the lanes are
-reduced once, at the end. logsumexp keeps a per-lane running max and a sum
-scaled to it, with one ``exp`` per element. When the programs would not cover
-the GPU (fewer than :data:`TARGET_PROGRAMS`), the reduced axis is cut into
-pieces, each program writes an f32 partial result, and a second launch
-reduces the partials (logsumexp of partial logsumexps is the logsumexp).
-No atomics: results are deterministic.
+One pass at the bandwidth floor (issue 25): each loop step loads ``UNROLL``
+tiles of ``[BO, BR]`` / ``[BR, BI]`` as one ``[UNROLL, ...]`` block, 16
+bytes per thread per tile (128-bit loads: sizes are constexprs, so Triton
+knows the alignment), all issued before any is used. Each program keeps an
+f32 accumulator *per lane* of its tile; the ``UNROLL`` tiles of a step sit
+in the same thread, so folding them into the lanes is thread-local and the
+lanes are reduced across threads once, at the end. logsumexp keeps a per-lane
+running max and a sum of ``exp(x - max)``, rescaled once a step (not once an
+element), so that an element costs a max, a subtract, an ``exp`` and an add.
+When the programs would not fill the GPU (fewer than :data:`TARGET_PROGRAMS`,
+several CTAs per SM), the reduced axis is cut into pieces, each program
+writes an f32 partial result, and a second launch reduces the partials
+(logsumexp of partial logsumexps is the logsumexp). No atomics: results are
+deterministic. Kernel parameters follow jax-triton's order: inputs and
+scalars, outputs, constexprs.
 
 NaN propagates like ``jnp`` (max/min combine with an explicit NaN test:
-Triton's own max drops NaN); logsumexp treats infinite maxima as
-``jax.nn.logsumexp`` does. Gradient: the reference's (``xla.reduce.reduce_vjp``).
+Triton's own max drops NaN; logsumexp's NaN reaches its sum through ``exp``);
+logsumexp treats infinite maxima as ``jax.nn.logsumexp`` does. Zero-size
+inputs take the reference. Gradient: the reference's (``xla.reduce.reduce_vjp``).
 """
 from __future__ import annotations
 
@@ -40,21 +45,26 @@ from nxops.kernels._registry import Kernel, register
 from nxops.kernels import _layout
 from nxops.kernels._layout import canonical_view
 from nxops.kernels.triton import _batching, _common
-from nxops.kernels.triton._common import cdiv
 from nxops.kernels.triton._launch import Target, launch, target_for
 from nxops.kernels.xla import reduce as xla_reduce
 
 OPS = {"sum": 0, "max": 1, "min": 2, "prod": 3, "logsumexp": 4}
 IDENTITY = {"sum": 0.0, "max": -math.inf, "min": math.inf, "prod": 1.0, "logsumexp": -math.inf}
 
-# Programs wanted per launch (two per SM on an H100).
-TARGET_PROGRAMS = _layout.GPU_TARGET_PROGRAMS
-# A program's block holds at most this many elements (per-lane accumulators in
-# registers); logsumexp keeps two per element, so it takes half.
+# Programs a launch wants: several CTAs per SM, so that enough loads are in
+# flight to cover HBM latency (two CTAs of 128 threads per SM, at 64 bytes
+# in flight per thread, keep only a third of an H100's bandwidth busy).
+TARGET_PROGRAMS = _layout.GPU_FILL_PROGRAMS
+SM_COUNT = _layout.GPU_SM_COUNT
+# A program's tile: 16 bytes per thread (one 128-bit load) per unrolled step;
+# at most this many elements (tests shrink it).
 MAX_BLOCK = 4096
 MAX_REDUCED_BLOCK = 1024
-# A piece of a split reduced axis spans at least this many blocks.
+# Tiles loaded per loop step before any is used: loads in flight per thread.
+UNROLL = 4
+# A piece of a split reduced axis spans at least this many steps.
 MIN_STEPS_PER_PIECE = 4
+NUM_WARPS = 4
 
 
 # ---------------------------------------------------------------------------
@@ -81,26 +91,43 @@ def _finite_or_zero(v):
     return tl.where(v - v == 0, v, 0.0)   # inf - inf and NaN - NaN are NaN
 
 
+LOG2E: tl.constexpr = tl.constexpr(math.log2(math.e))
+
+
 @triton.jit
-def _accumulate(acc, s, x, OP: tl.constexpr):
-    """One step: per-lane accumulator ``acc`` (and logsumexp's scaled sum
-    ``s``) absorb ``x`` elementwise."""
-    if OP == 0:
-        acc = acc + x
-    elif OP == 1:
-        acc = _nan_max(acc, x)
-    elif OP == 2:
-        acc = _nan_min(acc, x)
-    elif OP == 3:
-        acc = acc * x
+def _exp(v, FAST_EXP: tl.constexpr):
+    """``exp(v)``. Compiled: one MUFU.EX2 (``ex2.approx.ftz``: results under
+    2**-126 flush to 0, nothing next to the sum); ``tl.exp`` adds a denormal
+    fix-up of four instructions an element. The interpreter has no PTX."""
+    if FAST_EXP:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [v * LOG2E],
+                                         dtype=tl.float32, is_pure=True, pack=1)
     else:
-        # s is relative to exp(finite(acc)). A new max rescales the old sum
-        # and adds exp(0) = 1; otherwise add exp(x - max). One exp either way.
-        grows = x > acc
-        new = _nan_max(acc, x)
+        return tl.exp(v)
+
+
+@triton.jit
+def _absorb(acc, s, x, OP: tl.constexpr, FAST_EXP: tl.constexpr):
+    """One step: the per-lane accumulator ``acc`` (and logsumexp's sum ``s``)
+    absorbs ``x``, ``UNROLL`` tiles stacked on axis 0 (held by the same
+    thread: the reductions over axis 0 here are thread-local)."""
+    if OP == 0:
+        acc = acc + tl.sum(x, 0)
+    elif OP == 1:
+        acc = _nan_max(acc, tl.reduce(x, 0, _nan_max))
+    elif OP == 2:
+        acc = _nan_min(acc, tl.reduce(x, 0, _nan_min))
+    elif OP == 3:
+        acc = acc * tl.reduce(x, 0, _mul)
+    else:
+        # acc: the lane's running max (compiled, tl.maximum drops NaN, which
+        # reaches the sum through exp instead; the interpreter keeps it in
+        # the max too: NaN either way); s: its sum of exp(x - shift),
+        # shift = finite_or_zero(acc). The old sum is rescaled by
+        # exp(old max - new shift): 0 for an old max of -inf, whatever s was.
+        new = tl.maximum(acc, tl.max(x, 0))
         shift = _finite_or_zero(new)
-        e = tl.exp(tl.where(grows, _finite_or_zero(acc) - shift, x - shift))
-        s = tl.where(grows, tl.where(s == 0, 0.0, s * e) + 1.0, s + e)
+        s = s * _exp(acc - shift, FAST_EXP) + tl.sum(_exp(x - shift[None], FAST_EXP), 0)
         acc = new
     return acc, s
 
@@ -117,116 +144,127 @@ def _finish(acc, s, OP: tl.constexpr, AXIS: tl.constexpr):
     elif OP == 3:
         result = tl.reduce(acc, AXIS, _mul)
     else:
-        peak = tl.reduce(acc, AXIS, _nan_max, keep_dims=True)
+        peak = tl.max(acc, AXIS)
         shift = _finite_or_zero(peak)
-        scaled = tl.where(s == 0, 0.0, s * tl.exp(_finite_or_zero(acc) - shift))
-        peak = tl.reduce(acc, AXIS, _nan_max)
-        result = tl.log(tl.sum(scaled, AXIS)) + _finite_or_zero(peak)
-        result = tl.where(peak == float("inf"), peak, result)
-        result = tl.where(peak != peak, peak, result)
+        total = tl.sum(s * tl.exp(acc - tl.expand_dims(shift, AXIS)), AXIS)
+        result = tl.log(total) + shift
     return result
 
 
 @triton.jit
 def _rows_kernel(x_ptr, o_ptr, n_rows: tl.constexpr, n_cols: tl.constexpr,
-                 piece_len: tl.constexpr, n_pieces: tl.constexpr, OP: tl.constexpr, IDENTITY: tl.constexpr, BO: tl.constexpr, BR: tl.constexpr):
+                 piece_len: tl.constexpr, n_pieces: tl.constexpr, OP: tl.constexpr,
+                 IDENTITY: tl.constexpr, BO: tl.constexpr, BR: tl.constexpr,
+                 UNROLL: tl.constexpr, FAST_EXP: tl.constexpr, EXACT: tl.constexpr):
     """``[n_rows, n_cols] -> [n_rows, n_pieces]``: program (i, p) reduces rows
-    ``i*BO ...`` over columns ``[p*piece_len, (p+1)*piece_len)``."""
+    ``i*BO ...`` over columns ``[p*piece_len, (p+1)*piece_len)``, ``UNROLL``
+    tiles of ``[BO, BR]`` a step. Bounds are constexprs: the masks are
+    constant over a thread's 16 bytes where ``n_cols`` allows it (128-bit
+    loads), and absent where the plan tiles the operand exactly (``EXACT``)."""
     i, p = tl.program_id(0), tl.program_id(1)
     rows = i * BO + tl.arange(0, BO)
-    row_ok = rows[:, None] < n_rows
-    base = x_ptr + rows[:, None].to(tl.int64) * n_cols
-    begin = p * piece_len
-    end = tl.minimum(begin + piece_len, n_cols)
+    row_ok = (rows < n_rows)[None, :, None]
+    base = x_ptr + rows[None, :, None] * n_cols   # < 2**31 elements: int32
+    steps = BR * tl.arange(0, UNROLL)[:, None, None] + tl.arange(0, BR)[None, None, :]
     acc = tl.full((BO, BR), IDENTITY, tl.float32)
     s = tl.zeros((BO, BR), tl.float32)
-    for start in range(begin, end, BR):
-        cols = start + tl.arange(0, BR)
-        x = tl.load(base + cols[None, :], mask=row_ok & (cols[None, :] < end), other=IDENTITY)
-        acc, s = _accumulate(acc, s, x.to(tl.float32), OP)
+    for start in range(p * piece_len, (p + 1) * piece_len, UNROLL * BR):
+        cols = start + steps
+        if EXACT:
+            x = tl.load(base + cols)
+        else:
+            x = tl.load(base + cols, mask=row_ok & (cols < n_cols), other=IDENTITY)
+        acc, s = _absorb(acc, s, x.to(tl.float32), OP, FAST_EXP)
     result = _finish(acc, s, OP, 1)
     tl.store(o_ptr + rows * n_pieces + p, result.to(o_ptr.dtype.element_ty), mask=rows < n_rows)
 
 
 @triton.jit
 def _columns_kernel(x_ptr, o_ptr, n_reduced: tl.constexpr, n_inner: tl.constexpr,
-                    piece_len: tl.constexpr, n_pieces: tl.constexpr, OP: tl.constexpr, IDENTITY: tl.constexpr, BR: tl.constexpr, BI: tl.constexpr):
+                    piece_len: tl.constexpr, n_pieces: tl.constexpr, OP: tl.constexpr,
+                    IDENTITY: tl.constexpr, BR: tl.constexpr, BI: tl.constexpr,
+                    UNROLL: tl.constexpr, FAST_EXP: tl.constexpr, EXACT: tl.constexpr):
     """``[outer, n_reduced, n_inner] -> [outer, n_pieces, n_inner]``: program
-    (o, k, p) reduces columns ``k*BI ...`` of slab ``o`` over piece ``p``."""
+    (o, k, p) reduces columns ``k*BI ...`` of slab ``o`` over rows
+    ``[p*piece_len, (p+1)*piece_len)``, ``UNROLL`` tiles of ``[BR, BI]`` a step."""
     o, k, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     cols = k * BI + tl.arange(0, BI)
-    col_ok = cols[None, :] < n_inner
-    base = x_ptr + o.to(tl.int64) * n_reduced * n_inner + cols[None, :]
-    begin = p * piece_len
-    end = tl.minimum(begin + piece_len, n_reduced)
+    col_ok = (cols < n_inner)[None, None, :]
+    base = x_ptr + o * (n_reduced * n_inner) + cols[None, None, :]
+    steps = BR * tl.arange(0, UNROLL)[:, None, None] + tl.arange(0, BR)[None, :, None]
     acc = tl.full((BR, BI), IDENTITY, tl.float32)
     s = tl.zeros((BR, BI), tl.float32)
-    for start in range(begin, end, BR):
-        rows = start + tl.arange(0, BR)
-        x = tl.load(base + rows[:, None].to(tl.int64) * n_inner,
-                    mask=(rows[:, None] < end) & col_ok, other=IDENTITY)
-        acc, s = _accumulate(acc, s, x.to(tl.float32), OP)
+    for start in range(p * piece_len, (p + 1) * piece_len, UNROLL * BR):
+        rows = start + steps
+        if EXACT:
+            x = tl.load(base + rows * n_inner)
+        else:
+            x = tl.load(base + rows * n_inner, mask=(rows < n_reduced) & col_ok, other=IDENTITY)
+        acc, s = _absorb(acc, s, x.to(tl.float32), OP, FAST_EXP)
     result = _finish(acc, s, OP, 0)
-    out = o_ptr + (o.to(tl.int64) * n_pieces + p) * n_inner + cols
+    out = o_ptr + (o * n_pieces + p) * n_inner + cols
     tl.store(out, result.to(o_ptr.dtype.element_ty), mask=cols < n_inner)
 
 
 # ---------------------------------------------------------------------------
-# Launch configuration
+# Launch configuration (``_layout.rows_plan`` / ``columns_plan``)
 
 
-def _max_block(op: str) -> int:
-    return MAX_BLOCK // 2 if op == "logsumexp" else MAX_BLOCK
+def knobs() -> _layout.ReduceKnobs:
+    """This module's limits (module constants: the tests shrink them)."""
+    return _layout.ReduceKnobs(tile=MAX_BLOCK, max_reduced_block=MAX_REDUCED_BLOCK,
+                               target_programs=TARGET_PROGRAMS, min_steps=MIN_STEPS_PER_PIECE,
+                               unroll=UNROLL, warps=NUM_WARPS, sm_count=SM_COUNT)
 
 
-def pieces(n_reduced: int, block: int, programs: int) -> tuple[int, int]:
-    """(piece length, number of pieces) of the reduced axis, whole blocks each
-    (``_layout.split_count`` with this module's targets)."""
-    split, per_piece = _layout.split_count(programs, cdiv(n_reduced, block),
-                                           target=TARGET_PROGRAMS, min_steps=MIN_STEPS_PER_PIECE)
-    return per_piece * block, split
+def rows_plan(n_rows: int, n_cols: int, dtype, *, split: bool = True) -> _layout.ReducePlan:
+    return _layout.rows_plan(n_rows, n_cols, jnp.dtype(dtype).itemsize, knobs(), split=split)
+
+
+def columns_plan(n_outer: int, n_reduced: int, n_inner: int, dtype, *,
+                 split: bool = True) -> _layout.ReducePlan:
+    return _layout.columns_plan(n_outer, n_reduced, n_inner, jnp.dtype(dtype).itemsize, knobs(),
+                                split=split)
 
 
 def _rows(x2, op: str, target: Target, out_dtype, *, split: bool = True) -> jax.Array:
     n_rows, n_cols = x2.shape
-    br = min(_common.next_power_of_2(n_cols), MAX_REDUCED_BLOCK)
-    bo = max(1, min(_common.next_power_of_2(n_rows), _max_block(op) // br))
-    programs = cdiv(n_rows, bo)
-    piece_len, n_pieces = pieces(n_cols, br, programs) if split else (n_cols, 1)
-    partial_dtype = out_dtype if n_pieces == 1 else jnp.float32
+    plan = rows_plan(n_rows, n_cols, x2.dtype, split=split)
+    partial_dtype = out_dtype if plan.n_pieces == 1 else jnp.float32
+    (bo, br) = plan.block
     (out,) = launch(
         _rows_kernel, x2,
-        out_shape=[jax.ShapeDtypeStruct((n_rows, n_pieces), partial_dtype)],
-        grid=(programs, n_pieces), target=target, name=f"nxops_triton_reduce_rows_{op}",
-        num_warps=_common.num_warps_for(bo * br),
-        n_rows=n_rows, n_cols=n_cols, piece_len=piece_len, n_pieces=n_pieces,
-        OP=OPS[op], IDENTITY=IDENTITY[op], BO=bo, BR=br)
-    if n_pieces == 1:
+        out_shape=[jax.ShapeDtypeStruct((n_rows, plan.n_pieces), partial_dtype)],
+        grid=plan.grid, target=target, name=f"nxops_triton_reduce_rows_{op}",
+        num_warps=plan.warps, n_rows=n_rows, n_cols=n_cols, piece_len=plan.piece_len,
+        n_pieces=plan.n_pieces, OP=OPS[op], IDENTITY=IDENTITY[op], BO=bo, BR=br,
+        UNROLL=plan.unroll, FAST_EXP=target.platform == "cuda", EXACT=plan.exact)
+    if plan.n_pieces == 1:
         return out[:, 0]
     return _rows(out, op, target, out_dtype, split=False)
 
 
 def _columns(x3, op: str, target: Target, out_dtype, *, split: bool = True) -> jax.Array:
     n_outer, n_reduced, n_inner = x3.shape
-    bi = min(_common.next_power_of_2(n_inner), 128)
-    br = max(1, min(_common.next_power_of_2(n_reduced), _max_block(op) // bi))
-    programs = n_outer * cdiv(n_inner, bi)
-    piece_len, n_pieces = pieces(n_reduced, br, programs) if split else (n_reduced, 1)
-    partial_dtype = out_dtype if n_pieces == 1 else jnp.float32
+    plan = columns_plan(n_outer, n_reduced, n_inner, x3.dtype, split=split)
+    partial_dtype = out_dtype if plan.n_pieces == 1 else jnp.float32
+    (br, bi) = plan.block
     (out,) = launch(
         _columns_kernel, x3,
-        out_shape=[jax.ShapeDtypeStruct((n_outer, n_pieces, n_inner), partial_dtype)],
-        grid=(n_outer, cdiv(n_inner, bi), n_pieces), target=target,
-        name=f"nxops_triton_reduce_columns_{op}", num_warps=_common.num_warps_for(br * bi),
-        n_reduced=n_reduced, n_inner=n_inner, piece_len=piece_len, n_pieces=n_pieces,
-        OP=OPS[op], IDENTITY=IDENTITY[op], BR=br, BI=bi)
-    if n_pieces == 1:
+        out_shape=[jax.ShapeDtypeStruct((n_outer, plan.n_pieces, n_inner), partial_dtype)],
+        grid=plan.grid, target=target, name=f"nxops_triton_reduce_columns_{op}",
+        num_warps=plan.warps, n_reduced=n_reduced, n_inner=n_inner, piece_len=plan.piece_len,
+        n_pieces=plan.n_pieces, OP=OPS[op], IDENTITY=IDENTITY[op], BR=br, BI=bi,
+        UNROLL=plan.unroll, FAST_EXP=target.platform == "cuda", EXACT=plan.exact)
+    if plan.n_pieces == 1:
         return out[:, 0, :]
     return _columns(out, op, target, out_dtype, split=False)
 
 
 def reduce_forward(x: jax.Array, axes: tuple[int, ...], op: str, target: Target) -> jax.Array:
     """The kernel path of :func:`reduce` (no custom rules)."""
+    if x.size == 0:   # nothing to launch: the reference's -inf, 0, or error
+        return xla_reduce.reduce(x, axes=axes, op=op)
     out_shape = tuple(n for d, n in enumerate(x.shape) if d not in axes)
     permutation, (n_outer, n_reduced, n_inner) = canonical_view(x.shape, axes)
     if permutation is not None:
