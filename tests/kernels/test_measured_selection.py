@@ -68,6 +68,23 @@ def test_auto_on_cuda_picks_only_kernels_measured_at_most_095_of_xla(section, na
             assert quoted or "unmeasured on sm_90" in why, why
 
 
+@pytest.mark.parametrize("section, name", CASES, ids=[f"{s}/{n}" for s, n in CASES])
+def test_auto_on_cuda_with_the_installed_kernels_takes_only_fresh_wins(section, name):
+    """As the test above, with the kernels as they are now (no pinned versions):
+    a kernel edited since the run (e.g. the one-pass reductions) is stale, and
+    its cases keep XLA, saying so."""
+    table = _measured.load("sm_90")
+    for report in _explain(section, name).reports:
+        kernel, why = report.choice.kernel, report.choice.describe()
+        fresh_wins = [m for by in table.values() for m in by.values()
+                      if m.backend == kernel.backend and m.ratio <= _measured.THRESHOLD
+                      and m.version == _measured.kernel_version(kernel) and m.quote() in why]
+        assert kernel.backend == "xla" or fresh_wins, why
+        for stale in why.split("stale since ")[1:]:
+            measured, now = stale.split("measured, now ")[0].rsplit(" ", 1)[-1], stale.split("now ")[1][:12]
+            assert measured != now, why
+
+
 def test_every_run_case_is_in_the_catalogue_and_each_kernel_has_one_version():
     assert set(CASES) == {(c.section, c.name) for c in gpu_cases.all_cases()}
     table = _measured.load("sm_90")
