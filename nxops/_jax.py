@@ -203,3 +203,38 @@ def spmd_axis_names() -> frozenset:
     No public API; ``frozenset()`` where the axis env lacks it."""
     return frozenset(getattr(core.get_axis_env(), "spmd_axis_names", None) or ())
 
+
+
+
+def wrap_custom_rules(wrap) -> None:
+    """Passes the functions of every later ``custom_jvp``/``custom_vjp`` call
+    through ``wrap(kind, calls) -> calls | None`` as the call is bound:
+    ``kind`` is ``"custom_jvp"`` (calls: the primal function and the ``jvp``
+    rule) or ``"custom_vjp"`` (the primal function, ``fwd`` and ``bwd``);
+    each call takes and returns flat lists of arrays.
+
+    xmap uses it so that a rule JAX traces lazily (an outer ``jax.grad`` traces
+    ``bwd`` only when it transposes the program, after xmap's context is gone)
+    re-enters the logical names bound where the rule was called. Private:
+    ``bind_with_trace`` of the two call primitives and ``linear_util``. No
+    public alternative; where the primitives lack that method, nothing is
+    wrapped (a rule then finds its names from xmap's vmap levels only).
+    """
+    from jax._src import custom_derivatives, linear_util as lu
+
+    for kind, primitive in (("custom_jvp", custom_derivatives.custom_jvp_call_p),
+                            ("custom_vjp", custom_derivatives.custom_vjp_call_p)):
+        bind_with_trace = getattr(type(primitive), "bind_with_trace", None)
+        if bind_with_trace is None or "bind_with_trace" in vars(primitive):
+            continue
+
+        def hooked(trace, args, avals, params, /, _bind=bind_with_trace, _p=primitive, _kind=kind):
+            subfuns = params.get("subfuns")
+            new = None if subfuns is None else wrap(_kind, [f.call_wrapped for f in subfuns])
+            if new is not None:
+                subfuns = tuple(lu.wrap_init(n, debug_info=f.debug_info)
+                                for n, f in zip(new, subfuns))
+                params = {**params, "subfuns": subfuns}
+            return _bind(_p, trace, args, avals, params)
+
+        primitive.bind_with_trace = hooked
