@@ -10,6 +10,7 @@ alternative, if any. Modules import these names from here, never from
 from __future__ import annotations
 
 import inspect
+from typing import Callable
 
 from jax import lax
 
@@ -238,3 +239,12 @@ def wrap_custom_rules(wrap) -> None:
             return _bind(_p, trace, args, avals, params)
 
         primitive.bind_with_trace = hooked
+
+
+def bwd_cotangents(out) -> tuple[list, Callable]:
+    """The cotangents a custom_vjp's flat ``bwd`` returned (one per operand),
+    and a function that puts changed ones back in its return value. JAX 0.10
+    returns the list; 0.12 a pair (the list, its backward-pass logs)."""
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], list):
+        return list(out[0]), lambda cts: (cts, out[1])
+    return list(out), lambda cts: cts

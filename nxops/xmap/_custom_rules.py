@@ -30,6 +30,7 @@ import jax
 from jax import lax
 
 from nxops._errors import NxopsError
+from nxops._jax import bwd_cotangents
 from nxops.ops._axis_env import CustomCall
 from nxops.xmap._variance import Names, _Analysis, _open
 
@@ -80,14 +81,14 @@ class _TypedBwd:
                 cts[j] = lax.psum(cts[j], whole)
         cts_names = [Names(n) & Names(mesh_axes) for n in results]
         out_names = self._bwd_result_names(bwd, res, cts, cts_names, mesh_axes)
-        out = list(bwd(*res, *cts))
+        out, rebuild = bwd_cotangents(bwd(*res, *cts))
         for i, names in enumerate(operands):
             if not _float(out[i]):
                 continue
             one_value = [m for m in mesh_axes if m not in names and m not in out_names[i]]
             if one_value:
                 out[i] = out[i] / math.prod(mesh.shape[m] for m in one_value)
-        return out
+        return rebuild(out)
 
     def _bwd_result_names(self, bwd, res, cts, cts_names, mesh_axes) -> list:
         """The mesh axes each of ``bwd``'s cotangents varies along. A residual's
@@ -95,7 +96,7 @@ class _TypedBwd:
         kept: list[int] = []
 
         def arrays(*a):
-            outs = list(bwd(*a))
+            outs, _ = bwd_cotangents(bwd(*a))
             kept[:] = [i for i, o in enumerate(outs) if isinstance(o, jax.Array)]
             return [outs[i] for i in kept]
         jaxpr = _open(jax.make_jaxpr(arrays)(*res, *cts).jaxpr)
