@@ -110,3 +110,43 @@ def test_fg_gradient_inside_the_body_is_the_same_on_every_placement(name, resour
         got = f(x, w1, w2, c)
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
+
+
+def transformer_block(x, wq, wk, wv, wo, w1, w2, fg):
+    """Pre-norm attention + MLP on one batch position: x [t, d]; this shard's
+    heads (wq, wk, wv [d, heads, k], wo [heads, k, d]) and hidden units
+    (w1 [d, h], w2 [h, d]). With ``fg`` the shards' sums are Megatron's f/g;
+    without, plain nx.psum (whose gradients need no f)."""
+    f, g = fg_operators(nx.psum) if fg else (lambda v: v, lambda v: nx.psum(v, "s"))
+
+    def norm(v):
+        mean = jnp.mean(v, -1, keepdims=True)
+        return (v - mean) * lax.rsqrt(jnp.var(v, -1, keepdims=True) + 1e-5)
+
+    u = f(norm(x))
+    q, k, v = (jnp.einsum("td,dhk->htk", u, w) for w in (wq, wk, wv))
+    attention = jax.nn.softmax(jnp.einsum("hsk,htk->hst", q, k) / 4.0, axis=-1)
+    x = x + g(jnp.einsum("hst,htk,hkd->sd", attention, v, wo))
+    return x + g(jax.nn.gelu(f(norm(x)) @ w1) @ w2)
+
+
+def test_fg_transformer_block_compiles_to_no_more_transposes_or_copies_than_plain_psum():
+    rng = np.random.default_rng(1)
+    shapes = [(B, 8, 16), (S, 16, 2, 4), (S, 16, 2, 4), (S, 16, 2, 4), (S, 2, 4, 16),
+              (S, 16, 8), (S, 8, 16)]
+    args = [jnp.asarray(rng.standard_normal(s) / 4, jnp.float32) for s in shapes]
+    in_axes = [["b", ...]] + [["s", ...]] * 6
+    counts, values = {}, {}
+    with jax.set_mesh(jax.make_mesh((2, 4), ("x", "y"))):
+        for fg in (False, True):
+            def loss(*a, fg=fg):
+                return nx.mean(jnp.mean(transformer_block(*a, fg=fg) ** 2), "b")
+            step = jax.jit(jax.value_and_grad(
+                nx.xmap(loss, in_axes, [...], axis_resources={"b": "x", "s": "y"}),
+                argnums=tuple(range(1, 7))))
+            text = step.lower(*args).compile().as_text()
+            counts[fg] = {op: text.count(f" {op}(") for op in ("transpose", "copy")}
+            values[fg] = step(*args)
+    assert counts[True]["transpose"] <= counts[False]["transpose"], counts
+    assert counts[True]["copy"] <= counts[False]["copy"], counts
+    np.testing.assert_allclose(values[True][0], values[False][0], rtol=1e-6)
