@@ -207,19 +207,22 @@ def spmd_axis_names() -> frozenset:
 
 
 
+
 def wrap_custom_rules(wrap) -> None:
-    """Passes the functions of every later ``custom_jvp``/``custom_vjp`` call
-    through ``wrap(kind, calls) -> calls | None`` as the call is bound:
-    ``kind`` is ``"custom_jvp"`` (calls: the primal function and the ``jvp``
-    rule) or ``"custom_vjp"`` (the primal function, ``fwd`` and ``bwd``);
-    each call takes and returns flat lists of arrays.
+    """Runs the functions of every later ``custom_jvp``/``custom_vjp`` call
+    through wrappers, made as the call is bound: ``wrap(kind)`` gives None or
+    one ``wrapper(fun, *args)`` per function, ``kind`` being ``"custom_jvp"``
+    (the primal function and the ``jvp`` rule) or ``"custom_vjp"`` (the primal
+    function, ``fwd`` and ``bwd``); each function takes and returns flat lists.
 
     xmap uses it so that a rule JAX traces lazily (an outer ``jax.grad`` traces
     ``bwd`` only when it transposes the program, after xmap's context is gone)
     re-enters the logical names bound where the rule was called. Private:
-    ``bind_with_trace`` of the two call primitives and ``linear_util``. No
-    public alternative; where the primitives lack that method, nothing is
-    wrapped (a rule then finds its names from xmap's vmap levels only).
+    ``bind_with_trace`` of the two call primitives, and ``WrappedFun.wrap``
+    (a transformation that keeps JAX's own stores of the functions, which it
+    resets when it traces ``fwd`` again). No public alternative; where the primitives
+    lack that method, nothing is wrapped (a rule then finds its names from
+    xmap's vmap levels only).
     """
     from jax._src import custom_derivatives, linear_util as lu
 
@@ -231,15 +234,37 @@ def wrap_custom_rules(wrap) -> None:
 
         def hooked(trace, args, avals, params, /, _bind=bind_with_trace, _p=primitive, _kind=kind):
             subfuns = params.get("subfuns")
-            new = None if subfuns is None else wrap(_kind, [f.call_wrapped for f in subfuns])
-            if new is not None:
-                subfuns = tuple(lu.wrap_init(n, debug_info=f.debug_info)
-                                for n, f in zip(new, subfuns))
+            wrappers = None if subfuns is None else wrap(_kind)
+            if wrappers is not None:
+                subfuns = tuple(f.wrap(_through, (w,), None) if isinstance(f, lu.WrappedFun)
+                                else _WrappedRule(f, w) for f, w in zip(subfuns, wrappers))
                 params = {**params, "subfuns": subfuns}
             return _bind(_p, trace, args, avals, params)
 
         primitive.bind_with_trace = hooked
 
+
+def _through(fun, wrapper, *args):
+    return wrapper(fun, *args)
+
+
+class _WrappedRule:
+    """A rule JAX passes as a plain callable (a ``bwd`` re-bound from a
+    jaxpr), run through its wrapper."""
+
+    def __init__(self, rule, wrapper):
+        self.rule, self.wrapper = rule, wrapper
+
+    def __call__(self, *args):
+        return self.wrapper(self.rule, *args)
+
+
+def custom_rule_wrappers(fun) -> list:
+    """The wrappers ``wrap_custom_rules`` put around a custom call's function
+    (a ``bwd`` in a ``custom_vjp_call`` equation's params), outermost first."""
+    if isinstance(fun, _WrappedRule):
+        return [fun.wrapper] + custom_rule_wrappers(fun.rule)
+    return [static[0] for gen, static in getattr(fun, "transforms", ()) if gen is _through]
 
 def bwd_cotangents(out) -> tuple[list, Callable]:
     """The cotangents a custom_vjp's flat ``bwd`` returned (one per operand),

@@ -177,12 +177,13 @@ def collect_custom_calls() -> Iterator[list]:
         _CUSTOM_CALLS.reset(token)
 
 
-def _with_names_bound_at_call(kind: str, rules: list) -> list | None:
-    """The functions of a custom_jvp/custom_vjp called in an nx.xmap body, run
-    with the logical names bound where it was called. JAX traces ``bwd`` (and
-    a ``jvp`` rule, under an outer grad) lazily, when it transposes the
-    program, after xmap's context is gone; a name carried by mesh axes alone
-    would be unbound there (o08). None outside xmap."""
+def _with_names_bound_at_call(kind: str) -> list | None:
+    """Wrappers for the functions of a custom_jvp/custom_vjp called in an
+    nx.xmap body, which run them with the logical names bound where it was
+    called. JAX traces ``bwd`` (and a ``jvp`` rule, under an outer grad)
+    lazily, when it transposes the program, after xmap's context is gone; a
+    name carried by mesh axes alone would be unbound there (o08). None
+    outside xmap."""
     bound = _LOGICAL_AXES.get()
     if not bound:
         return None
@@ -190,8 +191,8 @@ def _with_names_bound_at_call(kind: str, rules: list) -> list | None:
     if _CUSTOM_CALLS.get() is not None:
         _CUSTOM_CALLS.get().append(call)
 
-    def with_names(rule: Callable, role: str) -> Callable:
-        def rule_with_names(*args):
+    def with_names(role: str) -> Callable:
+        def rule_with_names(rule, *args):
             unbound = call.unbound_now()
             mesh_axes = call.mesh_axes_of(unbound) if role == "bwd" else ()
             typed = bool(mesh_axes) and call.typed_bwd is not None
@@ -211,7 +212,7 @@ def _with_names_bound_at_call(kind: str, rules: list) -> list | None:
         rule_with_names.custom_call = call
         return rule_with_names
     roles = ("primal", "jvp") if kind == "custom_jvp" else ("primal", "primal", "bwd")
-    return [with_names(rule, role) for rule, role in zip(rules, roles)]
+    return [with_names(role) for role in roles]
 
 
 def _untyped_bwd_error(mesh_op: tuple) -> NxopsError:

@@ -27,10 +27,11 @@ import math
 from typing import Callable, Sequence
 
 import jax
-from jax import lax
 
 from nxops._errors import NxopsError
-from nxops._jax import bwd_cotangents
+from nxops._jax import bwd_cotangents, custom_rule_wrappers
+from nxops.kernels.xla import collectives as xla_collectives
+from nxops.ops._collectives import _mesh_platform
 from nxops.ops._axis_env import CustomCall
 from nxops.xmap._variance import Names, _Analysis, _open
 
@@ -52,8 +53,9 @@ def trace_with_typed_custom_rules(program: Callable, args: list, in_mesh_axes: S
 
 
 def _annotate(eqn, ins: list[Names], outs: list[Names]) -> None:
-    call = getattr(getattr(eqn.params.get("bwd"), "f", None), "custom_call", None)
-    if not isinstance(call, CustomCall):
+    calls = [getattr(w, "custom_call", None) for w in custom_rule_wrappers(eqn.params.get("bwd"))]
+    call = next((c for c in calls if isinstance(c, CustomCall)), None)
+    if call is None:
         return
     operands = ins[eqn.params.get("num_consts", 0):]
     previous = getattr(call.typed_bwd, "names", None)
@@ -77,8 +79,8 @@ class _TypedBwd:
         res, cts = list(args[:n_res]), list(args[n_res:])
         for j, names in enumerate(results):
             whole = tuple(m for m in mesh_axes if m not in names)
-            if whole and _float(cts[j]):
-                cts[j] = lax.psum(cts[j], whole)
+            if whole and _float(cts[j]):   # (16-bit floats summed in f32 on CPU)
+                cts[j] = xla_collectives.psum(cts[j], whole, platform=_mesh_platform())
         cts_names = [Names(n) & Names(mesh_axes) for n in results]
         out_names = self._bwd_result_names(bwd, res, cts, cts_names, mesh_axes)
         out, rebuild = bwd_cotangents(bwd(*res, *cts))

@@ -150,3 +150,34 @@ def test_fg_transformer_block_compiles_to_no_more_transposes_or_copies_than_plai
     assert counts[True]["transpose"] <= counts[False]["transpose"], counts
     assert counts[True]["copy"] <= counts[False]["copy"], counts
     np.testing.assert_allclose(values[True][0], values[False][0], rtol=1e-6)
+
+
+def test_custom_vjp_differentiated_again_by_other_arguments():
+    """JAX traces a custom_vjp's fwd again for another set of differentiated
+    arguments: the rule's wrapper keeps JAX's stores (was: StoreException)."""
+    @jax.custom_vjp
+    def scale(x, w):
+        return x * w
+    scale.defvjp(lambda x, w: (scale(x, w), (x, w)), lambda r, ct: (ct * r[1], ct * r[0]))
+    f = nx.xmap(lambda x, w: jnp.sum(scale(x, w)), [["a", ...], [...]], ["a"])
+    x, w = jnp.arange(12.0).reshape(4, 3), jnp.arange(3.0) + 1
+    loss = lambda x, w: jnp.sum(f(x, w))  # noqa: E731
+    np.testing.assert_allclose(jax.grad(loss, 0)(x, w), np.broadcast_to(w, (4, 3)))
+    np.testing.assert_allclose(jax.grad(loss, 1)(x, w), x.sum(0))
+    np.testing.assert_allclose(jax.grad(loss, (0, 1))(x, w)[1], x.sum(0))
+
+
+def test_bwd_whose_variance_depends_on_its_residuals_is_refused_outside_on_a_mesh():
+    """bwd's cotangent for the replicated w is ct * z, whose variance along
+    the mesh axis comes from a residual: nxops cannot tell how to hand it back
+    to shard_map, and says so."""
+    @jax.custom_vjp
+    def h(w, z):
+        return nx.psum(z, "s") * w
+    h.defvjp(lambda w, z: (h(w, z), (w, z)),
+             lambda r, ct: (ct * r[1], nx.psum(ct * r[0], "s") + 0 * ct))
+    z, w = jnp.arange(8.0).reshape(S, 2), jnp.ones(2)
+    f = nx.xmap(h, [[...], ["s", ...]], [...], axis_resources={"s": "y"})
+    with jax.set_mesh(jax.make_mesh((2, 4), ("x", "y"))):
+        with pytest.raises(nx.NxopsError, match="varies along mesh axis 'y' or not depending"):
+            jax.grad(lambda w: jnp.sum(f(w, z)))(w)
