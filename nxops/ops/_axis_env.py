@@ -129,13 +129,14 @@ def logical_axes(mapping: dict[str, LogicalAxis]) -> Iterator[None]:
 
 @dataclasses.dataclass
 class CustomCall:
-    """One custom_jvp/custom_vjp call bound in an nx.xmap body: the logical
-    names bound there; the first named op over mesh axes its primal function
+    """One custom_jvp/custom_vjp call (``kind``) bound in an nx.xmap body: the
+    logical names bound there; the first named op over mesh axes its primal function
     (or ``fwd``) ran, as ``(op, name, mesh axes)``; and, set by xmap once it
     knows which mesh axes the call's operands and results vary along,
     ``typed_bwd(bwd, args, mesh_axes)``: ``bwd`` called with cotangents as
     under no resources (``xmap/_custom_rules.py``)."""
 
+    kind: str
     bound: dict
     primal_mesh_op: tuple | None = None
     typed_bwd: Callable | None = None
@@ -187,7 +188,7 @@ def _with_names_bound_at_call(kind: str) -> list | None:
     bound = _LOGICAL_AXES.get()
     if not bound:
         return None
-    call = CustomCall(dict(bound))
+    call = CustomCall(kind, dict(bound))
     if _CUSTOM_CALLS.get() is not None:
         _CUSTOM_CALLS.get().append(call)
 

@@ -450,15 +450,17 @@ def _over_mesh(local_program: Callable, plan: Plan, in_specs: list[AxisSpec],
         # inside the body per position for replicated inputs (per-example
         # gradients), as under vmap and loops; check_vma=True would sum those over
         # devices, and JAX has no varying -> invariant cast to undo it for free.
+        def over_mesh():
+            return iter(jax.shard_map(sharded, mesh=mesh, in_specs=in_pspecs, out_specs=out_specs,
+                                      axis_names=axis_names, check_vma=False)(
+                                          *[x for x, _ in passed]))
+
         typed = [False]   # set when a custom_vjp needs its bwd's cotangents converted
-        while True:
-            try:
-                results = iter(jax.shard_map(sharded, mesh=mesh, in_specs=in_pspecs,
-                                             out_specs=out_specs, axis_names=axis_names,
-                                             check_vma=False)(*[x for x, _ in passed]))
-                break
-            except _TypedCustomRules:
-                typed[0] = True
+        try:
+            results = over_mesh()
+        except _TypedCustomRules:
+            typed[0] = True
+            results = over_mesh()
         return [next(results) if e is None else jnp.zeros(e.shape, e.dtype)
                 for e in empty_results]
     return program
@@ -479,7 +481,7 @@ def _run_body(local_program: Callable, args: list, typed: bool, plan: Plan,
         return trace_with_typed_custom_rules(local_program, args, in_mesh_axes, plan.mesh_axes)
     with collect_custom_calls() as calls:
         results = local_program(*args)
-    if any(call.primal_mesh_op is not None for call in calls):
+    if any(call.kind == "custom_vjp" and call.primal_mesh_op is not None for call in calls):
         raise _TypedCustomRules()
     return results
 
