@@ -284,6 +284,9 @@ REVERSE_MODE_UNSUPPORTED = {"while", "while_collective_pred", "while_per_positio
                             "fori_traced_bound"}      # JAX: no grad of a while loop
 FORWARD_MODE_UNSUPPORTED = {"custom_vjp", "megatron_fg"}   # JAX: no jvp of a custom_vjp
 FLOAT_ONLY_WRAPPERS = {"linear_solve", "megatron_fg"}
+# Drawn only where asked for (draw_programs' must_use), so that the other
+# draws stay as they were: the oracle's cases and CI time do not move.
+OPT_IN_WRAPPERS = {"megatron_fg"}
 # JAX: remat of complex values under grad fails (reduce_precision takes floats only)
 REAL_ONLY_WRAPPERS = {w for w in WRAPPERS if w.startswith("checkpoint")}
 
@@ -349,7 +352,8 @@ def ops_for(dtype: str, named_size: int) -> list[str]:
 def wrappers_for(dtype: str) -> list[str]:
     return sorted(w for w in WRAPPERS
                   if not (w in FLOAT_ONLY_WRAPPERS and dtype not in DIFFERENTIABLE)
-                  and not (w in REAL_ONLY_WRAPPERS and KIND[dtype] == "c"))
+                  and not (w in REAL_ONLY_WRAPPERS and KIND[dtype] == "c")
+                  and w not in OPT_IN_WRAPPERS)
 
 
 def inputs(programs: list[Program], n: int, d: int, seed: int):
@@ -382,9 +386,11 @@ def inputs(programs: list[Program], n: int, d: int, seed: int):
 
 
 def draw_programs(rng: np.random.Generator, count: int, n: int, dtypes: list[str],
-                  wrappers: list[str] | None = None, ops: list[str] | None = None) -> list[Program]:
+                  wrappers: list[str] | None = None, ops: list[str] | None = None,
+                  must_use: str | None = None) -> list[Program]:
     """``count`` programs: chains of 1-3 ops in 1-2 wrappers; dtypes, ops and
-    wrappers cycle through shuffled pools so that each batch covers them."""
+    wrappers cycle through shuffled pools so that each batch covers them.
+    ``must_use``: a wrapper every program has (outermost or inner)."""
     programs: list[Program] = []
     dtype_pool, wrapper_pool, op_pools = [], [], {}
     viable = [t for t in dtypes if [o for o in ops_for(t, n) if ops is None or o in ops]
@@ -403,7 +409,7 @@ def draw_programs(rng: np.random.Generator, count: int, n: int, dtypes: list[str
             pool += [str(o) for o in rng.permutation(allowed_ops)]
         chain, op_pools[dtype] = tuple(pool[:length]), pool[length:]
         if not wrapper_pool:
-            wrapper_pool = [str(w) for w in rng.permutation(sorted(WRAPPERS))]
+            wrapper_pool = [str(w) for w in rng.permutation(sorted(set(WRAPPERS) - OPT_IN_WRAPPERS))]
         first = wrapper_pool.pop()
         if first not in allowed_wrappers:
             first = str(rng.choice(allowed_wrappers))
@@ -411,6 +417,9 @@ def draw_programs(rng: np.random.Generator, count: int, n: int, dtypes: list[str
         # would shadow its own inner name
         chosen = (first,) if rng.random() < 0.7 or first == "plain" or not others else (
             first, str(rng.choice(others)))
+        if must_use is not None:
+            chosen = (must_use,) if first == "plain" else (
+                (must_use, first) if rng.random() < 0.5 else (first, must_use))
         program = Program(chain, chosen, dtype, int(rng.integers(0, 3)))
         if program not in programs:
             programs.append(program)
