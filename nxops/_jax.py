@@ -273,3 +273,15 @@ def bwd_cotangents(out) -> tuple[list, Callable]:
     if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], list):
         return list(out[0]), lambda cts: (cts, out[1])
     return list(out), lambda cts: cts
+
+
+def bound_axis_sizes(sizes: dict):
+    """A context that binds the vmap axis names ``{name: size}`` in JAX's axis
+    environment, as ``jax.vmap`` does while it traces its function. xmap's
+    custom rules re-enter the names of the vmap levels where they were called:
+    JAX traces a lazily traced rule's nested custom functions on a fresh trace
+    that sees neither the levels nor their axis environment. Private:
+    ``core.extend_axis_env_nd``; where it is missing, nothing is bound."""
+    import contextlib
+    extend = getattr(core, "extend_axis_env_nd", None)
+    return extend(list(sizes.items())) if extend is not None and sizes else contextlib.nullcontext()

@@ -24,6 +24,7 @@ import jax
 from nxops._jax import core as _core
 from nxops._jax import enclosing_batch_axes as _enclosing_batch_axes
 from nxops._jax import inside_while_loop as _inside_while_loop
+from nxops._jax import bound_axis_sizes as _bound_axis_sizes
 from nxops._jax import wrap_custom_rules as _wrap_custom_rules
 from nxops._errors import NxopsError
 
@@ -138,6 +139,7 @@ class CustomCall:
 
     kind: str
     bound: dict
+    vmap_sizes: dict   # the bound names' vmap levels: {physical name: size}
     primal_mesh_op: tuple | None = None
     typed_bwd: Callable | None = None
 
@@ -188,7 +190,10 @@ def _with_names_bound_at_call(kind: str) -> list | None:
     bound = _LOGICAL_AXES.get()
     if not bound:
         return None
-    call = CustomCall(kind, dict(bound))
+    env = _core.get_axis_env()
+    vmap_sizes = {p: env.axis_size(p) for axis in bound.values() for p in axis.physical
+                  if env.axis_exists(p)}
+    call = CustomCall(kind, dict(bound), vmap_sizes)
     if _CUSTOM_CALLS.get() is not None:
         _CUSTOM_CALLS.get().append(call)
 
@@ -200,12 +205,11 @@ def _with_names_bound_at_call(kind: str) -> list | None:
             tokens = (_UNBOUND_AT_RULE.set(frozenset() if typed else unbound),
                       _PRIMAL_OF.set(call if role == "primal" else None),
                       _LOGICAL_AXES.set({**_LOGICAL_AXES.get(), **bound}))
+            env = _core.get_axis_env()
+            missing = {p: n for p, n in call.vmap_sizes.items() if not env.axis_exists(p)}
             try:
-                if typed:   # cotangents converted here: the rules inside see them as typed
-                    return call.typed_bwd(rule, args, mesh_axes)
-                if mesh_axes and call.primal_mesh_op is not None:
-                    raise _untyped_bwd_error(call.primal_mesh_op)
-                return rule(*args)
+                with _bound_axis_sizes(missing):
+                    return _run_rule(call, rule, args, typed, mesh_axes)
             finally:
                 _LOGICAL_AXES.reset(tokens[2])
                 _PRIMAL_OF.reset(tokens[1])
@@ -214,6 +218,14 @@ def _with_names_bound_at_call(kind: str) -> list | None:
         return rule_with_names
     roles = ("primal", "jvp") if kind == "custom_jvp" else ("primal", "primal", "bwd")
     return [with_names(role) for role in roles]
+
+
+def _run_rule(call: CustomCall, rule: Callable, args, typed: bool, mesh_axes: tuple):
+    if typed:   # cotangents converted here: the rules inside see them as typed
+        return call.typed_bwd(rule, args, mesh_axes)
+    if mesh_axes and call.primal_mesh_op is not None:
+        raise _untyped_bwd_error(call.primal_mesh_op)
+    return rule(*args)
 
 
 def _untyped_bwd_error(mesh_op: tuple) -> NxopsError:

@@ -85,16 +85,6 @@ KNOWN_DEFECTS = {
     "z_gather_grad_inside": Defect(ops=_f("all_gather", "untile"), sizes=_f(0),
                                    transforms=_f("grad_inside")),
     "z_gather_on_mesh": Defect(ops=_f("all_gather", "untile"), sizes=_f(0), placements=_on_mesh),
-    # found by the f/g wrapper (issue 27), there before it: a custom_vjp inside a
-    # sub-jaxpr (scan, cond, map, checkpoint, nested xmap) whose bwd runs a named
-    # op over a name with a vmap level, differentiated outside: JAX traces the
-    # bwd where the level is not on the trace stack ("axis name 'a' is not
-    # bound here"). Mesh-only names are fine.
-    "fg_in_sub_jaxpr_grad_outside": Defect(
-        wrappers=_f("megatron_fg"), transforms=_f("grad_outside"),
-        programs=lambda p: "megatron_fg" in p.wrappers[1:],
-        examples=(C.Program(("mean",), ("scan", "megatron_fg"), "f32", 0),
-                  C.Program(("psum",), ("checkpoint", "megatron_fg"), "c64", 1))),
 }
 
 PROFILE = os.environ.get("NXOPS_ORACLE_PROFILE", "ci")

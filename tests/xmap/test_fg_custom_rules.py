@@ -181,3 +181,26 @@ def test_bwd_whose_variance_depends_on_its_residuals_is_refused_outside_on_a_mes
     with jax.set_mesh(jax.make_mesh((2, 4), ("x", "y"))):
         with pytest.raises(nx.NxopsError, match="varies along mesh axis 'y' or not depending"):
             jax.grad(lambda w: jnp.sum(f(w, z)))(w)
+
+
+@pytest.mark.parametrize("wrap", ["checkpoint", "scan"])
+@pytest.mark.parametrize("name,resources", [PLACEMENTS[0], PLACEMENTS[3]],
+                         ids=[PLACEMENTS[0][0], PLACEMENTS[3][0]])
+def test_fg_inside_a_sub_jaxpr_differentiates_outside(wrap, name, resources):
+    """f/g inside jax.checkpoint or lax.scan, on a name with a vmap level: JAX
+    traces g's nested fwd on a fresh trace that saw neither the level nor its
+    axis environment ("axis name 'a' is not bound here", found by the oracle)."""
+    x, w1, w2, c = _args()
+    wrappers = {"checkpoint": lambda f: jax.checkpoint(f),
+                "scan": lambda f: lambda *a: lax.scan(lambda _, __: (f(*a), None), f(*a) * 0,
+                                                      None, length=1)[0]}
+    loss = lambda f: lambda x, w1, w2: jnp.sum(f(x, w1, w2) * c)  # noqa: E731
+    ref = _positional(functools.partial(mlp, lax.psum, False), (None, 0, 0), (0, None, None))
+    want = jax.grad(loss(ref), argnums=(0, 1, 2))(x, w1, w2)
+    f = _xmap(wrappers[wrap](functools.partial(mlp, nx.psum, True)),
+              [["b", ...], ["s", ...], ["s", ...]], ["b", ...], resources)
+    with jax.set_mesh(jax.make_mesh((2, 4), ("x", "y"))):
+        got = jax.grad(loss(f), argnums=(0, 1, 2))(x, w1, w2)
+    np.testing.assert_allclose(np.asarray(got[0]), S * np.asarray(want[0]), rtol=1e-4, atol=1e-5)
+    for g, w in zip(got[1:], want[1:]):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
