@@ -10,6 +10,7 @@ alternative, if any. Modules import these names from here, never from
 from __future__ import annotations
 
 import inspect
+from typing import Callable
 
 from jax import lax
 
@@ -203,3 +204,84 @@ def spmd_axis_names() -> frozenset:
     No public API; ``frozenset()`` where the axis env lacks it."""
     return frozenset(getattr(core.get_axis_env(), "spmd_axis_names", None) or ())
 
+
+
+
+
+def wrap_custom_rules(wrap) -> None:
+    """Runs the functions of every later ``custom_jvp``/``custom_vjp`` call
+    through wrappers, made as the call is bound: ``wrap(kind)`` gives None or
+    one ``wrapper(fun, *args)`` per function, ``kind`` being ``"custom_jvp"``
+    (the primal function and the ``jvp`` rule) or ``"custom_vjp"`` (the primal
+    function, ``fwd`` and ``bwd``); each function takes and returns flat lists.
+
+    xmap uses it so that a rule JAX traces lazily (an outer ``jax.grad`` traces
+    ``bwd`` only when it transposes the program, after xmap's context is gone)
+    re-enters the logical names bound where the rule was called. Private:
+    ``bind_with_trace`` of the two call primitives, and ``WrappedFun.wrap``
+    (a transformation that keeps JAX's own stores of the functions, which it
+    resets when it traces ``fwd`` again). No public alternative; where the primitives
+    lack that method, nothing is wrapped (a rule then finds its names from
+    xmap's vmap levels only).
+    """
+    from jax._src import custom_derivatives, linear_util as lu
+
+    for kind, primitive in (("custom_jvp", custom_derivatives.custom_jvp_call_p),
+                            ("custom_vjp", custom_derivatives.custom_vjp_call_p)):
+        bind_with_trace = getattr(type(primitive), "bind_with_trace", None)
+        if bind_with_trace is None or "bind_with_trace" in vars(primitive):
+            continue
+
+        def hooked(trace, args, avals, params, /, _bind=bind_with_trace, _p=primitive, _kind=kind):
+            subfuns = params.get("subfuns")
+            wrappers = None if subfuns is None else wrap(_kind)
+            if wrappers is not None:
+                subfuns = tuple(f.wrap(_through, (w,), None) if isinstance(f, lu.WrappedFun)
+                                else _WrappedRule(f, w) for f, w in zip(subfuns, wrappers))
+                params = {**params, "subfuns": subfuns}
+            return _bind(_p, trace, args, avals, params)
+
+        primitive.bind_with_trace = hooked
+
+
+def _through(fun, wrapper, *args):
+    return wrapper(fun, *args)
+
+
+class _WrappedRule:
+    """A rule JAX passes as a plain callable (a ``bwd`` re-bound from a
+    jaxpr), run through its wrapper."""
+
+    def __init__(self, rule, wrapper):
+        self.rule, self.wrapper = rule, wrapper
+
+    def __call__(self, *args):
+        return self.wrapper(self.rule, *args)
+
+
+def custom_rule_wrappers(fun) -> list:
+    """The wrappers ``wrap_custom_rules`` put around a custom call's function
+    (a ``bwd`` in a ``custom_vjp_call`` equation's params), outermost first."""
+    if isinstance(fun, _WrappedRule):
+        return [fun.wrapper] + custom_rule_wrappers(fun.rule)
+    return [static[0] for gen, static in getattr(fun, "transforms", ()) if gen is _through]
+
+def bwd_cotangents(out) -> tuple[list, Callable]:
+    """The cotangents a custom_vjp's flat ``bwd`` returned (one per operand),
+    and a function that puts changed ones back in its return value. JAX 0.10
+    returns the list; 0.12 a pair (the list, its backward-pass logs)."""
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], list):
+        return list(out[0]), lambda cts: (cts, out[1])
+    return list(out), lambda cts: cts
+
+
+def bound_axis_sizes(sizes: dict):
+    """A context that binds the vmap axis names ``{name: size}`` in JAX's axis
+    environment, as ``jax.vmap`` does while it traces its function. xmap's
+    custom rules re-enter the names of the vmap levels where they were called:
+    JAX traces a lazily traced rule's nested custom functions on a fresh trace
+    that sees neither the levels nor their axis environment. Private:
+    ``core.extend_axis_env_nd``; where it is missing, nothing is bound."""
+    import contextlib
+    extend = getattr(core, "extend_axis_env_nd", None)
+    return extend(list(sizes.items())) if extend is not None and sizes else contextlib.nullcontext()

@@ -24,6 +24,8 @@ import jax
 from nxops._jax import core as _core
 from nxops._jax import enclosing_batch_axes as _enclosing_batch_axes
 from nxops._jax import inside_while_loop as _inside_while_loop
+from nxops._jax import bound_axis_sizes as _bound_axis_sizes
+from nxops._jax import wrap_custom_rules as _wrap_custom_rules
 from nxops._errors import NxopsError
 
 
@@ -97,6 +99,7 @@ def position_parts(names: Sequence, *, op: str) -> list[PositionPart]:
     """The factors of the position along logical ``names``, major to minor:
     for each name its mesh axes, then its loops' steps, then its vmap tile."""
     logical = _LOGICAL_AXES.get()
+    note_named_op(names, op=op)
     parts: list[PositionPart] = []
     for name in names:
         axis = logical.get(name)
@@ -144,6 +147,133 @@ def note_varies_hint(name, text: str) -> None:
 def varies_hint(name) -> str:
     """The note for ``name`` recorded in the body being traced ("" if none)."""
     return (_VARIES_HINTS.get() or {}).get(name, "")
+
+
+@dataclasses.dataclass
+class CustomCall:
+    """One custom_jvp/custom_vjp call (``kind``) bound in an nx.xmap body: the
+    logical names bound there; the first named op over mesh axes its primal function
+    (or ``fwd``) ran, as ``(op, name, mesh axes)``; and, set by xmap once it
+    knows which mesh axes the call's operands and results vary along,
+    ``typed_bwd(bwd, args, mesh_axes)``: ``bwd`` called with cotangents as
+    under no resources (``xmap/_custom_rules.py``)."""
+
+    kind: str
+    bound: dict
+    vmap_sizes: dict   # the bound names' vmap levels: {physical name: size}
+    primal_mesh_op: tuple | None = None
+    typed_bwd: Callable | None = None
+
+    def unbound_now(self) -> frozenset:
+        """The names bound at the call that are not bound the same way now (a
+        ``bwd`` traced for a ``jax.grad`` taken outside their xmap), also those
+        an enclosing custom rule found so (JAX nests the rules of a call
+        batched by a vmap level, or re-bound from a jaxpr, in the outer call's)."""
+        now = _LOGICAL_AXES.get()
+        return _UNBOUND_AT_RULE.get() | {n for n, axis in self.bound.items() if now.get(n) != axis}
+
+    def mesh_axes_of(self, names) -> tuple:
+        """The manual mesh axes that carry ``names`` (as bound at the call)."""
+        manual = manual_mesh_axes()
+        return tuple(dict.fromkeys(p for n in sorted(names) for p in self.bound[n].physical
+                                   if p in manual))
+
+
+# The names the running custom rules found unbound when they were entered.
+_UNBOUND_AT_RULE: contextvars.ContextVar[frozenset] = contextvars.ContextVar(
+    "nxops_unbound_at_rule", default=frozenset())
+# The custom call whose primal function (or fwd) is running, if any.
+_PRIMAL_OF: contextvars.ContextVar[CustomCall | None] = contextvars.ContextVar(
+    "nxops_primal_of", default=None)
+# While xmap traces a program over mesh axes: the custom calls bound (None: nobody watches).
+_CUSTOM_CALLS: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "nxops_custom_calls", default=None)
+
+
+@contextlib.contextmanager
+def collect_custom_calls() -> Iterator[list]:
+    """Yields a list that fills with the CustomCalls bound within the block."""
+    calls: list = []
+    token = _CUSTOM_CALLS.set(calls)
+    try:
+        yield calls
+    finally:
+        _CUSTOM_CALLS.reset(token)
+
+
+def _with_names_bound_at_call(kind: str) -> list | None:
+    """Wrappers for the functions of a custom_jvp/custom_vjp called in an
+    nx.xmap body, which run them with the logical names bound where it was
+    called. JAX traces ``bwd`` (and a ``jvp`` rule, under an outer grad)
+    lazily, when it transposes the program, after xmap's context is gone; a
+    name carried by mesh axes alone would be unbound there (o08). None
+    outside xmap."""
+    bound = _LOGICAL_AXES.get()
+    if not bound:
+        return None
+    env = _core.get_axis_env()
+    vmap_sizes = {p: env.axis_size(p) for axis in bound.values() for p in axis.physical
+                  if env.axis_exists(p)}
+    call = CustomCall(kind, dict(bound), vmap_sizes)
+    if _CUSTOM_CALLS.get() is not None:
+        _CUSTOM_CALLS.get().append(call)
+
+    def with_names(role: str) -> Callable:
+        def rule_with_names(rule, *args):
+            unbound = call.unbound_now()
+            mesh_axes = call.mesh_axes_of(unbound) if role == "bwd" else ()
+            typed = bool(mesh_axes) and call.typed_bwd is not None
+            tokens = (_UNBOUND_AT_RULE.set(frozenset() if typed else unbound),
+                      _PRIMAL_OF.set(call if role == "primal" else None),
+                      _LOGICAL_AXES.set({**_LOGICAL_AXES.get(), **bound}))
+            env = _core.get_axis_env()
+            missing = {p: n for p, n in call.vmap_sizes.items() if not env.axis_exists(p)}
+            try:
+                with _bound_axis_sizes(missing):
+                    return _run_rule(call, rule, args, typed, mesh_axes)
+            finally:
+                _LOGICAL_AXES.reset(tokens[2])
+                _PRIMAL_OF.reset(tokens[1])
+                _UNBOUND_AT_RULE.reset(tokens[0])
+        rule_with_names.custom_call = call
+        return rule_with_names
+    roles = ("primal", "jvp") if kind == "custom_jvp" else ("primal", "primal", "bwd")
+    return [with_names(role) for role in roles]
+
+
+def _run_rule(call: CustomCall, rule: Callable, args, typed: bool, mesh_axes: tuple):
+    if typed:   # cotangents converted here: the rules inside see them as typed
+        return call.typed_bwd(rule, args, mesh_axes)
+    if mesh_axes and call.primal_mesh_op is not None:
+        raise _untyped_bwd_error(call.primal_mesh_op)
+    return rule(*args)
+
+
+def _untyped_bwd_error(mesh_op: tuple) -> NxopsError:
+    op, name, mesh_axes = mesh_op
+    return NxopsError(
+        f"A jax.custom_vjp called in the xmapped function runs {op} over {name!r}, which "
+        f"axis_resources maps to mesh axes {mesh_axes}, and jax.grad is taken outside the "
+        f"xmap, but nxops could not tell which of its operands and results vary along "
+        f"{name!r} (the body did not trace to one jaxpr), so its bwd cannot be given the "
+        f"cotangents it gets with no resources. Take jax.grad inside the xmapped function, "
+        f"or map {name!r} to no resources.")
+
+
+def note_named_op(names: Sequence, *, op: str) -> None:
+    """Records a named op over mesh axes run by a custom call's primal function."""
+    call = _PRIMAL_OF.get()
+    if call is None or call.primal_mesh_op is not None:
+        return
+    for name in names:
+        if name in call.bound:
+            mesh_axes = call.mesh_axes_of((name,))
+            if mesh_axes:
+                call.primal_mesh_op = (op, name, mesh_axes)
+                return
+
+
+_wrap_custom_rules(_with_names_bound_at_call)
 
 
 class TileAxisName(str):
@@ -219,6 +349,7 @@ def resolve(names: Sequence, *, op: str, allow_loop: bool = False) -> tuple[str,
                 f"{axis.loops[0].name!r}: each loop step sees one chunk, so {op} across the "
                 f"loop is not possible. {looped_name_hint(name, op)}")
         physical.extend(axis.physical)
+    note_named_op(names, op=op)
     return tuple(physical)
 
 

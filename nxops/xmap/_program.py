@@ -34,8 +34,10 @@ from nxops._jax import pin_constant as _pin_constant
 from nxops._jax import spmd_axis_names
 from nxops._errors import NxopsError
 from nxops.kernels.xla.collectives import CPU_UNSAFE_DTYPES
-from nxops.ops._axis_env import InternalAxisName, TileAxisName, loop_step, varies_hint
+from nxops.ops._axis_env import (InternalAxisName, TileAxisName, collect_custom_calls,
+                                      loop_step, varies_hint)
 from nxops.ops._collectives import _mesh_platform
+from nxops.xmap._custom_rules import trace_with_typed_custom_rules
 from nxops.xmap._plan import Plan, check_shared_resources
 from nxops.xmap._raw_lax import raw_lax_error
 from nxops.xmap._specs import AxisSpec, broadcast_specs, check_output_rank
@@ -454,7 +456,9 @@ def _over_mesh(local_program: Callable, plan: Plan, in_specs: list[AxisSpec],
             local = iter([x if d is None else x.astype(d) for x, d in zip(local, narrowed)])
             args = [next(local) if e is None else jnp.zeros(e, x.dtype)
                     for x, e in zip(flat, empty)]
-            results = local_program(*args)
+            arg_mesh_axes = [() if e is not None else _pspec_axes(plan.partition_spec(s, x.ndim))
+                             for x, s, e in zip(flat, in_specs, empty)]
+            results = _run_body(local_program, args, typed[0], plan, arg_mesh_axes)
             pspecs = [plan.partition_spec(s, x.ndim) for x, s in zip(results, outputs.specs)]
             empty_results[:] = [_empty_global(x, p, plan.mesh) for x, p in zip(results, pspecs)]
             out_specs[:] = [p for p, e in zip(pspecs, empty_results) if e is None]
@@ -467,9 +471,17 @@ def _over_mesh(local_program: Callable, plan: Plan, in_specs: list[AxisSpec],
         # inside the body per position for replicated inputs (per-example
         # gradients), as under vmap and loops; check_vma=True would sum those over
         # devices, and JAX has no varying -> invariant cast to undo it for free.
-        results = iter(jax.shard_map(sharded, mesh=mesh, in_specs=in_pspecs, out_specs=out_specs,
-                                     axis_names=axis_names, check_vma=False)(
-                                         *[x for x, _ in passed]))
+        def over_mesh():
+            return iter(jax.shard_map(sharded, mesh=mesh, in_specs=in_pspecs, out_specs=out_specs,
+                                      axis_names=axis_names, check_vma=False)(
+                                          *[x for x, _ in passed]))
+
+        typed = [False]   # set when a custom_vjp needs its bwd's cotangents converted
+        try:
+            results = over_mesh()
+        except _TypedCustomRules:
+            typed[0] = True
+            results = over_mesh()
         results = [next(results) if e is None else jnp.zeros(e.shape, e.dtype)
                    for e in empty_results]
         if manual or spmd_axis_names():
@@ -489,6 +501,31 @@ def constrain_on_auto_mesh(x, plan: Plan, spec: AxisSpec):
         return x
     pspec = plan.partition_spec(spec, x.ndim) if plan.mesh is not None else PartitionSpec()
     return lax.with_sharding_constraint(x, NamedSharding(mesh, pspec))
+
+
+class _TypedCustomRules(Exception):
+    """Internal: the body's first trace found a custom_vjp whose primal runs a
+    named op over mesh axes; it is traced again, the second way of _run_body."""
+
+
+def _run_body(local_program: Callable, args: list, typed: bool, plan: Plan,
+              in_mesh_axes: list) -> list:
+    """``local_program(*args)`` inside the shard_map. A custom_vjp whose primal
+    runs a named op over mesh axes needs to know which mesh axes its operands
+    and results vary along, for a jax.grad outside the xmap (_custom_rules.py):
+    the body is then traced again, once to a jaxpr that a walk reads."""
+    if typed:
+        return trace_with_typed_custom_rules(local_program, args, in_mesh_axes, plan.mesh_axes)
+    with collect_custom_calls() as calls:
+        results = local_program(*args)
+    if any(call.kind == "custom_vjp" and call.primal_mesh_op is not None for call in calls):
+        raise _TypedCustomRules()
+    return results
+
+
+def _pspec_axes(pspec) -> tuple:
+    """The mesh axes a PartitionSpec splits over."""
+    return tuple(a for entry in pspec for a in _entry_axes(entry))
 
 
 def _narrowed_dtype(x, pspec, axis_names: frozenset):

@@ -98,9 +98,10 @@ def _analyze(body, plan: Plan, in_tree, flat_args, flat_specs, shared) -> list[N
     analysis = _Analysis(logical, shared, mesh_axes)
     variance = analysis.run(jaxpr.jaxpr, [Names(s.axis_names) for s in flat_specs])
     # None: every name then gets a vmap level, under which such a cond's
-    # index is batched, and JAX runs every branch on every device (a select);
-    # and a lazily traced custom rule finds the names from the levels.
-    return None if analysis.branches_per_device or analysis.named_op_in_custom_rule else variance
+    # index is batched, and JAX runs every branch on every device (a select).
+    # A custom rule needs no level: a lazily traced one re-enters the names
+    # bound where it was called (_axis_env.CustomCall).
+    return None if analysis.branches_per_device else variance
 
 
 def runs_without(body: Callable, plan: Plan, names: Sequence[str], in_tree,
@@ -162,20 +163,17 @@ class _Analysis:
     jaxpr varies along, and raises at the first pair sharing a resource."""
 
     def __init__(self, logical: dict, shared: dict[frozenset, Any],
-                 mesh_axes: dict[str, tuple[str, ...]] | None = None):
+                 mesh_axes: dict[str, tuple[str, ...]] | None = None,
+                 on_custom_vjp: Callable | None = None):
         self._logical = logical   # physical (vmap) name -> logical name
+        # Called with (eqn, operand names, result names) at each custom_vjp call.
+        self._on_custom_vjp = on_custom_vjp
         self._shared = shared
         self._mesh_axes = mesh_axes or {}   # logical name -> its mesh axes (if any)
         # Set when a cond/switch whose index varies along a name on mesh axes
         # holds a collective across those axes: without a vmap level the
         # devices would take different branches, and the collective deadlock.
         self.branches_per_device = False
-        # Set when a custom_jvp/custom_vjp of the body holds a named op: JAX
-        # traces its rule lazily (under an outer grad/jvp), after xmap's
-        # context is gone, and the rule's named ops find their names only from
-        # vmap levels (_axis_env.TileAxisName), so every name needs one.
-        self.named_op_in_custom_rule = False
-        self._custom_rule_depth = 0
 
     def run(self, jaxpr: Jaxpr, in_names: Sequence[Names],
             const_names: Names = Names()) -> list[Names]:
@@ -199,9 +197,6 @@ class _Analysis:
         name, params = eqn.primitive.name, eqn.params
         n_out = len(eqn.outvars)
         named = named_axes_effect(eqn.primitive, params)
-        if self._custom_rule_depth and (name in _LAX_COLLECTIVES or name == "axis_index"
-                                        or named is not None):
-            self.named_op_in_custom_rule = True
         if name in _LAX_COLLECTIVES:
             param, effect = _LAX_COLLECTIVES[name]
             axes = self._names(params[param])
@@ -225,11 +220,10 @@ class _Analysis:
         if name == "cond":
             return self._cond(eqn, ins)
         if name in _CUSTOM_RULE_PRIMITIVES:
-            self._custom_rule_depth += 1
-            try:
-                return self._eqn_with_sub_jaxprs(eqn, ins)
-            finally:
-                self._custom_rule_depth -= 1
+            outs = self._eqn_with_sub_jaxprs(eqn, ins)
+            if self._on_custom_vjp is not None and name != "custom_jvp_call":
+                self._on_custom_vjp(eqn, ins, outs)
+            return outs
         return self._eqn_with_sub_jaxprs(eqn, ins)
 
     def _eqn_with_sub_jaxprs(self, eqn, ins: list[Names]) -> list[Names]:

@@ -29,7 +29,23 @@ def _nx_inner_map(fn, xs, name, resources):
     return nx.xmap(fn, [[name, ...]], [name, ...], axis_resources=resources)(xs)
 
 
+def fg_custom_vjps(psum, name):
+    """Megatron's (and GPT-J's) f: identity forward, ``psum`` backward; and g:
+    ``psum`` forward, identity backward; over ``name``."""
+    @jax.custom_vjp
+    def f(v):
+        return v
+    f.defvjp(lambda v: (v, None), lambda _, ct: (psum(ct, name),))
+
+    @jax.custom_vjp
+    def g(v):
+        return psum(v, name)
+    g.defvjp(lambda v: (g(v), None), lambda _, ct: (ct,))
+    return f, g
+
+
 NX = types.SimpleNamespace(
+    fg=lambda name, inside_grad: fg_custom_vjps(nx.psum, name),
     **{op: getattr(nx, op) for op in (
         "sum", "max", "min", "mean", "prod", "logsumexp", "psum", "pmax", "pmin", "pmean",
         "einsum", "pdot", "all_gather", "untile", "tile", "psum_scatter", "all_to_all",
@@ -165,6 +181,7 @@ class Ctx:
     M: object
     branch: int                 # a per-program constant for uniform cond/switch
     inner_resources: dict
+    inside_grad: bool = False   # the body is differentiated inside (M.fg needs to know)
 
 
 def _uniform_int(ctx, value):
@@ -185,6 +202,16 @@ def _custom_vjp(g, x, w, e, ctx):
     f.defvjp(lambda x, w, e: (g(x, w, e), (x, w, e)),
              lambda res, ct: jax.vjp(lambda x, w: g(x, w, res[2]), *res[:2])[1](ct) + (None,))
     return f(x, w, e)
+
+
+def _megatron_fg(g, x, w, e, ctx):
+    """Tensor parallelism as GPT-J writes it: f on the replicated ``w`` (its
+    cotangent is summed over the name), g's psum of a per-position value (whose
+    cotangent passes back unchanged). docs/xmap.md: "Custom rules with named
+    collectives"."""
+    f, g_psum = ctx.M.fg(ctx.name, ctx.inside_grad)
+    out = g(x, f(w), e)
+    return out + g_psum(out * e[0])
 
 
 def _linear_solve(g, x, w, e, ctx):
@@ -250,12 +277,16 @@ WRAPPERS: dict[str, Callable] = {     # (g, x, w, e, ctx) -> g applied around x;
     "custom_jvp": _custom_jvp,
     "custom_vjp": _custom_vjp,
     "linear_solve": _linear_solve,
+    "megatron_fg": _megatron_fg,
     "nested_xmap": _nested,
 }
 REVERSE_MODE_UNSUPPORTED = {"while", "while_collective_pred", "while_per_position",
                             "fori_traced_bound"}      # JAX: no grad of a while loop
-FORWARD_MODE_UNSUPPORTED = {"custom_vjp"}             # JAX: no jvp of a custom_vjp
-FLOAT_ONLY_WRAPPERS = {"linear_solve"}
+FORWARD_MODE_UNSUPPORTED = {"custom_vjp", "megatron_fg"}   # JAX: no jvp of a custom_vjp
+FLOAT_ONLY_WRAPPERS = {"linear_solve", "megatron_fg"}
+# Drawn only where asked for (draw_programs' must_use), so that the other
+# draws stay as they were: the oracle's cases and CI time do not move.
+OPT_IN_WRAPPERS = {"megatron_fg"}
 # JAX: remat of complex values under grad fails (reduce_precision takes floats only)
 REAL_ONLY_WRAPPERS = {w for w in WRAPPERS if w.startswith("checkpoint")}
 
@@ -273,13 +304,16 @@ class Program:
     @property
     def collective(self):
         return any(OPS[o].collective for o in self.ops) or any(
-            w in ("fori_traced_bound", "while_collective_pred", "cond", "switch", "linear_solve")
+            w in ("fori_traced_bound", "while_collective_pred", "cond", "switch", "linear_solve",
+                  "megatron_fg")
             for w in self.wrappers)
 
     def transforms(self):
         """The transformations this program can take (JAX's own limits)."""
         out = ["forward"]
-        if self.dtype in DIFFERENTIABLE:
+        jvp_of_custom_vjp = "custom_jvp" in self.wrappers and FORWARD_MODE_UNSUPPORTED & set(
+            self.wrappers[self.wrappers.index("custom_jvp") + 1:])   # its jvp rule would take it
+        if self.dtype in DIFFERENTIABLE and not jvp_of_custom_vjp:
             if not REVERSE_MODE_UNSUPPORTED & set(self.wrappers):
                 out += ["grad_inside"]
                 if "custom_vjp" not in self.wrappers:   # JAX: the bwd of a custom_vjp under
@@ -289,9 +323,10 @@ class Program:
         return out
 
 
-def build(program: Program, name: str, M, inner_resources=None) -> Callable:
+def build(program: Program, name: str, M, inner_resources=None,
+          inside_grad: bool = False) -> Callable:
     """(x, y, w, key) -> x' for one position: the chain inside the wrappers."""
-    ctx = Ctx(name, M, program.branch, inner_resources or {})
+    ctx = Ctx(name, M, program.branch, inner_resources or {}, inside_grad)
 
     def chain(x, w, e):
         y, key = e
@@ -317,7 +352,8 @@ def ops_for(dtype: str, named_size: int) -> list[str]:
 def wrappers_for(dtype: str) -> list[str]:
     return sorted(w for w in WRAPPERS
                   if not (w in FLOAT_ONLY_WRAPPERS and dtype not in DIFFERENTIABLE)
-                  and not (w in REAL_ONLY_WRAPPERS and KIND[dtype] == "c"))
+                  and not (w in REAL_ONLY_WRAPPERS and KIND[dtype] == "c")
+                  and w not in OPT_IN_WRAPPERS)
 
 
 def inputs(programs: list[Program], n: int, d: int, seed: int):
@@ -350,9 +386,11 @@ def inputs(programs: list[Program], n: int, d: int, seed: int):
 
 
 def draw_programs(rng: np.random.Generator, count: int, n: int, dtypes: list[str],
-                  wrappers: list[str] | None = None, ops: list[str] | None = None) -> list[Program]:
+                  wrappers: list[str] | None = None, ops: list[str] | None = None,
+                  must_use: str | None = None) -> list[Program]:
     """``count`` programs: chains of 1-3 ops in 1-2 wrappers; dtypes, ops and
-    wrappers cycle through shuffled pools so that each batch covers them."""
+    wrappers cycle through shuffled pools so that each batch covers them.
+    ``must_use``: a wrapper every program has (outermost or inner)."""
     programs: list[Program] = []
     dtype_pool, wrapper_pool, op_pools = [], [], {}
     viable = [t for t in dtypes if [o for o in ops_for(t, n) if ops is None or o in ops]
@@ -371,7 +409,7 @@ def draw_programs(rng: np.random.Generator, count: int, n: int, dtypes: list[str
             pool += [str(o) for o in rng.permutation(allowed_ops)]
         chain, op_pools[dtype] = tuple(pool[:length]), pool[length:]
         if not wrapper_pool:
-            wrapper_pool = [str(w) for w in rng.permutation(sorted(WRAPPERS))]
+            wrapper_pool = [str(w) for w in rng.permutation(sorted(set(WRAPPERS) - OPT_IN_WRAPPERS))]
         first = wrapper_pool.pop()
         if first not in allowed_wrappers:
             first = str(rng.choice(allowed_wrappers))
@@ -379,6 +417,9 @@ def draw_programs(rng: np.random.Generator, count: int, n: int, dtypes: list[str
         # would shadow its own inner name
         chosen = (first,) if rng.random() < 0.7 or first == "plain" or not others else (
             first, str(rng.choice(others)))
+        if must_use is not None:
+            chosen = (must_use,) if first == "plain" else (
+                (must_use, first) if rng.random() < 0.5 else (first, must_use))
         program = Program(chain, chosen, dtype, int(rng.integers(0, 3)))
         if program not in programs:
             programs.append(program)

@@ -169,3 +169,20 @@ def inner_map(fn, xs, name, resources):
     """An inner xmap over the leading dim of ``xs``: a vmap with the name."""
     del resources
     return jax.vmap(fn, axis_name=name)(xs)
+
+
+def fg(name, inside_grad):
+    """Megatron's f/g (tests/oracle/_composed.py: fg_custom_vjps) as the
+    positional program means them. Inside a gradient, JAX differentiates the
+    custom_vjps themselves (per position). Outside, JAX cannot (their bwd's
+    psum finds the name unbound under grad of vmap), so here they are written
+    with what they mean there (docs/xmap.md), for f on a value that does not
+    vary along the name and g on one that does: f's cotangent is the psum of
+    its result's (of a replicated value's whole cotangent: times the size of
+    the name), and g is psum, whose transpose under vmap hands each position
+    the whole cotangent."""
+    from tests.oracle._composed import fg_custom_vjps
+    if inside_grad:
+        return fg_custom_vjps(psum, name)
+    f = lambda v: lax.stop_gradient(v) + psum(v, name) - lax.stop_gradient(psum(v, name))  # noqa: E731
+    return f, lambda v: psum(v, name)

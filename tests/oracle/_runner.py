@@ -109,7 +109,7 @@ def _inside_grad(body):
 
 
 def _batch_body(programs, name, M, inner, inside_grad):
-    bodies = [C.build(p, name, M, inner) for p in programs]
+    bodies = [C.build(p, name, M, inner, inside_grad) for p in programs]
     if inside_grad:
         bodies = [_inside_grad(b) for b in bodies]
 

@@ -1,6 +1,6 @@
 """The composed oracle: named ops inside control flow (scan, fori, while with
 uniform and per-position trip counts, cond, switch, map), remat with policies,
-custom_jvp / custom_vjp / custom_linear_solve, nested xmaps; every dtype
+custom_jvp / custom_vjp (Megatron f/g: psum in bwd or fwd) / custom_linear_solve, nested xmaps; every dtype
 (f32, bf16, f16, complex64, int32, bool); named sizes 8, 1, 0 and positional
 sizes 4, 1, 0; placements on none, whole meshes, part of a mesh, size-1 mesh
 axes, serial loops and mixtures. Each case is one program x placement x
@@ -97,12 +97,16 @@ SETTINGS = hypothesis.settings.get_profile(f"composed_{PROFILE}")
 # oracle (test_oracle.py) covers mesh8, auto_mesh8, three mesh axes, a mesh axis
 # with a loop and a name spelled like a mesh axis; the local profile draws more examples.
 GROUPS = [
-    (8, 4, 24, ("none", "part_of_mesh", "whole_mesh_2x4")),
+    (8, 4, 22, ("none", "part_of_mesh", "whole_mesh_2x4")),   # + FG_PROGRAMS
     (8, 1, 8, ("size1_mesh_axis",)),
     (8, 0, 6, ("none", "loop2")),
     (1, 4, 8, ("size1_mesh_axis", "loop1")),
     (0, 4, 8, ("none", "mesh8")),
 ]
+
+# The group that also draws programs wrapped in Megatron's f/g (custom_vjps
+# around psum: _composed.fg_custom_vjps), and how many.
+FG_GROUP, FG_PROGRAMS, FG_DTYPES = (8, 4), 4, ["f32", "c64", "bf16"]
 
 
 GROUPS_RUN = set()
@@ -123,7 +127,10 @@ def _placements(n, ids):
 @hypothesis.given(seed=st.integers(0, 2**31 - 1))
 def test_composed_programs_match_the_reference(n, d, count, placement_ids, seed):
     GROUPS_RUN.add((n, d))
-    programs = C.draw_programs(np.random.default_rng(seed), count, n, list(C.DTYPES))
+    rng = np.random.default_rng(seed)
+    programs = C.draw_programs(rng, count, n, list(C.DTYPES))
+    if (n, d) == FG_GROUP:   # Megatron f/g custom rules around the chains
+        programs += C.draw_programs(rng, FG_PROGRAMS, n, FG_DTYPES, must_use="megatron_fg")
     group = run.Group(programs, n, d, seed % 2**16)
     unknown = lambda p, t, pl: not _known(p, t, pl, n, d)
     failures = [f for placement in _placements(n, placement_ids)

@@ -8,7 +8,6 @@ from tests.repros._run import exit_code_and_lines
 OPEN = pytest.mark.xfail(strict=True, reason="issue 27: open")
 
 
-@OPEN
 def test_t01_fg_custom_vjp_compiles_like_plain_psum():
     code, lines = exit_code_and_lines("t01_fg_custom_vjp_vmap_level.py")
     assert lines[-1] == "OK" and code == 0, lines
@@ -63,7 +62,6 @@ def test_t10_random_follows_x64():
     assert code == 0, lines
 
 
-@OPEN
 def test_t11_fg_custom_vjp_gradient_is_the_same_on_every_placement():
     code, lines = exit_code_and_lines("t11_fg_custom_vjp_grad_by_placement.py")
     assert lines[-1] == "OK: one gradient on every placement" and code == 0, lines

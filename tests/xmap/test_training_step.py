@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 import nxops as nx
@@ -170,3 +171,89 @@ def test_compiled_shardings_are_the_named_shardings_jax_jit_gives(placement, axi
             assert compiled.output_shardings == expected.output_shardings
             np.testing.assert_allclose(np.asarray(compiled(*args)), np.asarray(expected(*args)),
                                        rtol=1e-5, atol=1e-5)
+
+
+# --- the same step with Megatron/GPT-J f/g operators (issue 27) --------------
+# GPT-J writes its tensor parallelism with f (identity forward, psum backward)
+# and g (psum forward, identity backward) and takes jax.value_and_grad inside
+# the xmapped step, then averages the gradients over 'batch'. Its twin is the
+# same step in jax.shard_map, with the same f/g over lax.psum.
+
+
+def fg_operators(psum, axis):
+    @jax.custom_vjp
+    def f(x):
+        return x
+    f.defvjp(lambda x: (x, None), lambda _, ct: (psum(ct, axis),))
+
+    @jax.custom_vjp
+    def g(x):
+        return psum(x, axis)
+    g.defvjp(lambda x: (g(x), None), lambda _, ct: (ct,))
+    return f, g
+
+
+def fg_step(w1, w2, wv, x, y, psum, pmean, shard):
+    """The loss of one batch position and its gradients, averaged over 'batch'."""
+    f, g = fg_operators(psum, shard)
+
+    def loss(w1, w2, wv):
+        logits = g(jax.nn.relu(f(x) @ w1) @ w2) @ wv
+        picked = jnp.take_along_axis(logits, y[:, None], 1)[:, 0]
+        return jnp.mean(nx.logsumexp(logits, 1) - picked)
+    return pmean(jax.value_and_grad(loss, argnums=(0, 1, 2))(w1, w2, wv))
+
+
+def named_fg_step(w1, w2, wv, x, y):
+    return fg_step(w1, w2, wv, x, y, nx.psum, lambda t: jax.tree.map(
+        lambda v: nx.pmean(v, "batch"), t), "shard")
+
+
+def fg_shard_map_twin(resources, mesh):
+    batch_axis, shard_axis = resources.get("batch"), resources.get("shard")
+    pmean = lambda t: jax.tree.map(lambda v: lax.pmean(v, batch_axis or "batch"), t)  # noqa: E731
+
+    def local(w1, w2, wv, x, y):
+        def step(w1, w2, x, y):
+            return fg_step(w1, w2, wv, x, y, lax.psum, pmean, shard_axis or "shard")
+        if shard_axis is None:
+            over_shard = jax.vmap(step, in_axes=(0, 0, None, None),
+                                  out_axes=(None, (0, 0, None)), axis_name="shard")
+        else:
+            over_shard = lambda w1, w2, x, y: step(w1[0], w2[0], x, y)  # noqa: E731
+        if batch_axis is None:
+            loss, (g1, g2, gv) = jax.vmap(over_shard, in_axes=(None, None, 0, 0), out_axes=None,
+                                          axis_name="batch")(w1, w2, x, y)
+        else:
+            loss, (g1, g2, gv) = over_shard(w1, w2, x[0], y[0])
+        if shard_axis is not None:
+            g1, g2 = g1[None], g2[None]
+        return loss, (g1, g2, gv)
+
+    specs = (P(shard_axis), P(shard_axis), P(), P(batch_axis), P(batch_axis))
+    used = frozenset(a for a in (batch_axis, shard_axis) if a)
+    out_specs = (P(), (P(shard_axis), P(shard_axis), P()))
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out_specs, axis_names=used,
+                         check_vma=False), specs
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_fg_training_step_compiles_like_its_shard_map_twin(placement):
+    resources = PLACEMENTS[placement]
+    mesh = training_mesh()
+    with jax.set_mesh(mesh):
+        twin, specs = fg_shard_map_twin(resources, mesh)
+        args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(operands(), specs)]
+        step = jax.jit(nx.xmap(named_fg_step, IN_AXES, ([], (["shard", ...], ["shard", ...], [...])),
+                               axis_resources=resources))
+        twin_step = jax.jit(twin)
+        compiled, twin_compiled = step.lower(*args).compile(), twin_step.lower(*args).compile()
+        assert op_counts(compiled) == op_counts(twin_compiled)
+        mine, theirs = instructions(compiled), instructions(twin_compiled)
+        assert mine == theirs, ("only in the xmap program:\n" + "\n".join(mine - theirs)
+                                + "\nonly in the shard_map twin:\n" + "\n".join(theirs - mine))
+        got, want = step(*args), twin_step(*args)
+    reference = jax.value_and_grad(positional_loss, argnums=(0, 1, 2))(*operands())
+    for g, w, r in zip(jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(reference)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-5)

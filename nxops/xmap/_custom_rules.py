@@ -1,0 +1,124 @@
+"""A custom_vjp's ``bwd`` under ``jax.grad`` outside the xmap, on mesh axes.
+
+With no resources a name is a vmap level, and ``jax.grad`` of the xmap hands
+a custom_vjp's ``bwd`` the cotangent of a result that does not vary along the
+name whole (one value), as ``jax.vmap`` does; a result that varies gets its
+cotangent per position. Over mesh axes the program is a ``shard_map``, whose
+transpose (``check_vma=False``) splits the cotangent of a replicated value
+among the devices instead (each holds a part; the parts sum to it). JAX's own
+transposes agree with either, but a hand-written ``bwd`` does not: Megatron's
+``g`` (``psum`` forward, identity backward) would get a 1/n part. So over
+mesh axes xmap converts at the custom call (docs/xmap.md, "Custom rules"):
+
+- the cotangent of a result replicated over a mesh axis is summed over it
+  (whole, as with no resources) before ``bwd`` runs;
+- ``bwd``'s cotangent for an operand replicated over a mesh axis goes back to
+  a part: divided by the axis size when it does not vary along the axis (one
+  value, as with no resources); left as it is when it varies (with no
+  resources the positions' values are summed, which the parts then do).
+
+Which values vary along which mesh axes comes from a walk of the body's jaxpr
+(``_variance._Analysis``); only bodies whose custom calls run a named op over
+mesh axes in their primal pay for it (one more trace of the body).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import jax
+
+from nxops._errors import NxopsError
+from nxops._jax import bwd_cotangents, custom_rule_wrappers
+from nxops.kernels.xla import collectives as xla_collectives
+from nxops.ops._collectives import _mesh_platform
+from nxops.ops._axis_env import CustomCall
+from nxops.xmap._variance import Names, _Analysis, _open
+
+
+def _float(x) -> bool:
+    """An inexact array (a cotangent, not float0, nor bwd's marker for None)."""
+    return isinstance(x, jax.Array) and jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)
+
+
+def trace_with_typed_custom_rules(program: Callable, args: list, in_mesh_axes: Sequence,
+                                  mesh_axes: Sequence[str]) -> list:
+    """``program(*args)`` traced once to a jaxpr, each custom_vjp call in it
+    told which of ``mesh_axes`` its operands and results vary along, then
+    evaluated. ``in_mesh_axes``: the mesh axes each arg varies along."""
+    closed = jax.make_jaxpr(program)(*args)
+    analysis = _Analysis({m: m for m in mesh_axes}, {}, on_custom_vjp=_annotate)
+    analysis.run(closed.jaxpr, [Names(a) for a in in_mesh_axes])
+    return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
+
+
+def _annotate(eqn, ins: list[Names], outs: list[Names]) -> None:
+    calls = [getattr(w, "custom_call", None) for w in custom_rule_wrappers(eqn.params.get("bwd"))]
+    call = next((c for c in calls if isinstance(c, CustomCall)), None)
+    if call is None:
+        return
+    operands = ins[eqn.params.get("num_consts", 0):]
+    previous = getattr(call.typed_bwd, "names", None)
+    if previous is not None:   # a loop's fixed point visits it again: the names only grow
+        operands = [a | b for a, b in zip(operands, previous[0])]
+        outs = [a | b for a, b in zip(outs, previous[1])]
+    call.typed_bwd = _TypedBwd(operands, outs)
+
+
+class _TypedBwd:
+    """``bwd`` of one custom_vjp call with its cotangents converted (see the
+    module docstring). ``names``: (operand names, result names), mesh axes."""
+
+    def __init__(self, operands: list[Names], results: list[Names]):
+        self.names = (operands, results)
+
+    def __call__(self, bwd: Callable, args: Sequence, mesh_axes: tuple) -> list:
+        operands, results = self.names
+        mesh = jax.sharding.get_abstract_mesh()
+        n_res = len(args) - len(results)
+        res, cts = list(args[:n_res]), list(args[n_res:])
+        for j, names in enumerate(results):
+            whole = tuple(m for m in mesh_axes if m not in names)
+            if whole and _float(cts[j]):   # (16-bit floats summed in f32 on CPU)
+                cts[j] = xla_collectives.psum(cts[j], whole, platform=_mesh_platform())
+        cts_names = [Names(n) & Names(mesh_axes) for n in results]
+        out_names = self._bwd_result_names(bwd, res, cts, cts_names, mesh_axes)
+        out, rebuild = bwd_cotangents(bwd(*res, *cts))
+        for i, names in enumerate(operands):
+            if not _float(out[i]):
+                continue
+            one_value = [m for m in mesh_axes if m not in names and m not in out_names[i]]
+            if one_value:
+                out[i] = out[i] / math.prod(mesh.shape[m] for m in one_value)
+        return rebuild(out)
+
+    def _bwd_result_names(self, bwd, res, cts, cts_names, mesh_axes) -> list:
+        """The mesh axes each of ``bwd``'s cotangents varies along. A residual's
+        are not known; an answer that depends on them is refused."""
+        kept: list[int] = []
+
+        def arrays(*a):
+            outs, _ = bwd_cotangents(bwd(*a))
+            kept[:] = [i for i, o in enumerate(outs) if isinstance(o, jax.Array)]
+            return [outs[i] for i in kept]
+        jaxpr = _open(jax.make_jaxpr(arrays)(*res, *cts).jaxpr)
+        logical = {m: m for m in mesh_axes}
+        operands = self.names[0]
+        answers = []
+        for residual_names in (Names(), Names(mesh_axes)):
+            names = _Analysis(logical, {}).run(jaxpr, [residual_names] * len(res) + cts_names)
+            per_operand = [Names()] * len(operands)
+            for i, n in zip(kept, names):
+                per_operand[i] = n
+            answers.append(per_operand)
+        for i, (low, high) in enumerate(zip(*answers)):
+            undecided = [m for m in mesh_axes if m not in operands[i] and (m in low) != (m in high)]
+            if undecided:
+                raise NxopsError(
+                    f"A jax.custom_vjp called in the xmapped function has a bwd whose "
+                    f"cotangent for its operand {i} varies along mesh axis {undecided[0]!r} "
+                    f"or not depending on its residuals, and jax.grad is taken outside the "
+                    f"xmap: nxops cannot give that bwd the cotangents it gets with no "
+                    f"resources. Take jax.grad inside the xmapped function, or map the name "
+                    f"on {undecided[0]!r} to no resources.")
+        return answers[0]
