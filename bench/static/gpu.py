@@ -244,12 +244,18 @@ def _read_dump(dump: pathlib.Path, arch: Arch) -> list[KernelStats]:
 def ptxas_path() -> str:
     """ptxas from the nvcc wheel: ``nvidia/cuda_nvcc/bin`` (nvidia-cuda-nvcc-cu12,
     JAX 0.10) or ``nvidia/cu13/bin`` (nvidia-cuda-nvcc 13, JAX 0.12)."""
+    return nvidia_tool("ptxas", ("cuda_nvcc", "cu13"))
+
+
+def nvidia_tool(tool: str, packages: tuple[str, ...]) -> str:
+    """The path of CUDA's ``tool`` in the first of the nvidia wheels' ``packages``
+    (folders under ``nvidia/``) that holds ``bin/<tool>``."""
     import nvidia
     for root in map(pathlib.Path, nvidia.__path__):
-        for candidate in (root / "cuda_nvcc" / "bin" / "ptxas", root / "cu13" / "bin" / "ptxas"):
-            if candidate.exists():
-                return str(candidate)
-    raise FileNotFoundError("no ptxas in the nvidia wheels: install the compile extra "
+        for package in packages:
+            if (root / package / "bin" / tool).exists():
+                return str(root / package / "bin" / tool)
+    raise FileNotFoundError(f"no {tool} in the nvidia wheels: install the compile extra "
                             "(pip install 'nxops[compile]')")
 
 

@@ -22,19 +22,13 @@ import re
 import subprocess
 import tempfile
 
-from bench.static.gpu import ptxas_path
+from bench.static.gpu import nvidia_tool, ptxas_path
 
 
 @functools.cache
 def nvdisasm_path() -> str:
     """nvdisasm from the ``nvidia-cuda-nvdisasm`` wheel (``nvidia/cu13/bin``)."""
-    import nvidia
-    for root in map(pathlib.Path, nvidia.__path__):
-        for candidate in (root / "cu13" / "bin" / "nvdisasm", root / "cuda_nvdisasm" / "bin" / "nvdisasm"):
-            if candidate.exists():
-                return str(candidate)
-    raise FileNotFoundError("no nvdisasm in the nvidia wheels: install the compile extra "
-                            "(pip install 'nxops[compile]')")
+    return nvidia_tool("nvdisasm", ("cu13", "cuda_nvdisasm"))
 
 
 def sass(ptx: str, sm_name: str) -> str:

@@ -191,14 +191,19 @@ _CUSTOM_CALLS: contextvars.ContextVar[list | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def collect_custom_calls() -> Iterator[list]:
-    """Yields a list that fills with the CustomCalls bound within the block."""
-    calls: list = []
-    token = _CUSTOM_CALLS.set(calls)
+def _collecting(var: contextvars.ContextVar) -> Iterator[list]:
+    """Yields a list that ``var`` holds within the block (and fills)."""
+    items: list = []
+    token = var.set(items)
     try:
-        yield calls
+        yield items
     finally:
-        _CUSTOM_CALLS.reset(token)
+        var.reset(token)
+
+
+def collect_custom_calls() -> contextlib.AbstractContextManager[list]:
+    """Yields a list that fills with the CustomCalls bound within the block."""
+    return _collecting(_CUSTOM_CALLS)
 
 
 def _with_names_bound_at_call(kind: str) -> list | None:
@@ -377,16 +382,10 @@ _MESH_OPS_IN_WHILE: contextvars.ContextVar[list | None] = contextvars.ContextVar
     "nxops_mesh_ops_in_while", default=None)
 
 
-@contextlib.contextmanager
-def watch_mesh_ops_in_while() -> Iterator[list]:
+def watch_mesh_ops_in_while() -> contextlib.AbstractContextManager[list]:
     """Yields a list that fills with the names of ops over mesh axes traced
     inside a ``lax.while_loop`` within the block."""
-    seen: list = []
-    token = _MESH_OPS_IN_WHILE.set(seen)
-    try:
-        yield seen
-    finally:
-        _MESH_OPS_IN_WHILE.reset(token)
+    return _collecting(_MESH_OPS_IN_WHILE)
 
 
 def _note_mesh_op(op: str) -> None:

@@ -21,6 +21,7 @@ import numpy as np
 from jax import lax
 
 import nxops as nx
+from tests._megatron import fg_operators
 
 CLOSED_KEY = jax.random.key(42)     # a key closed over by the body
 
@@ -29,23 +30,8 @@ def _nx_inner_map(fn, xs, name, resources):
     return nx.xmap(fn, [[name, ...]], [name, ...], axis_resources=resources)(xs)
 
 
-def fg_custom_vjps(psum, name):
-    """Megatron's (and GPT-J's) f: identity forward, ``psum`` backward; and g:
-    ``psum`` forward, identity backward; over ``name``."""
-    @jax.custom_vjp
-    def f(v):
-        return v
-    f.defvjp(lambda v: (v, None), lambda _, ct: (psum(ct, name),))
-
-    @jax.custom_vjp
-    def g(v):
-        return psum(v, name)
-    g.defvjp(lambda v: (g(v), None), lambda _, ct: (ct,))
-    return f, g
-
-
 NX = types.SimpleNamespace(
-    fg=lambda name, inside_grad: fg_custom_vjps(nx.psum, name),
+    fg=lambda name, inside_grad: fg_operators(nx.psum, name),
     **{op: getattr(nx, op) for op in (
         "sum", "max", "min", "mean", "prod", "logsumexp", "psum", "pmax", "pmin", "pmean",
         "einsum", "pdot", "all_gather", "untile", "tile", "psum_scatter", "all_to_all",

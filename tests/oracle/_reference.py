@@ -172,7 +172,7 @@ def inner_map(fn, xs, name, resources):
 
 
 def fg(name, inside_grad):
-    """Megatron's f/g (tests/oracle/_composed.py: fg_custom_vjps) as the
+    """Megatron's f/g (tests/_megatron.py: fg_operators) as the
     positional program means them. Inside a gradient, JAX differentiates the
     custom_vjps themselves (per position). Outside, JAX cannot (their bwd's
     psum finds the name unbound under grad of vmap), so here they are written
@@ -181,8 +181,8 @@ def fg(name, inside_grad):
     its result's (of a replicated value's whole cotangent: times the size of
     the name), and g is psum, whose transpose under vmap hands each position
     the whole cotangent."""
-    from tests.oracle._composed import fg_custom_vjps
+    from tests._megatron import fg_operators
     if inside_grad:
-        return fg_custom_vjps(psum, name)
+        return fg_operators(psum, name)
     f = lambda v: lax.stop_gradient(v) + psum(v, name) - lax.stop_gradient(psum(v, name))  # noqa: E731
     return f, lambda v: psum(v, name)

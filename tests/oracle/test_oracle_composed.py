@@ -105,7 +105,7 @@ GROUPS = [
 ]
 
 # The group that also draws programs wrapped in Megatron's f/g (custom_vjps
-# around psum: _composed.fg_custom_vjps), and how many.
+# around psum: tests/_megatron.py: fg_operators), and how many.
 FG_GROUP, FG_PROGRAMS, FG_DTYPES = (8, 4), 4, ["f32", "c64", "bf16"]
 
 

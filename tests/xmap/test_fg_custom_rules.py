@@ -12,23 +12,9 @@ import pytest
 from jax import lax
 
 import nxops as nx
+from tests._megatron import fg_operators
 
 B, S = 4, 4   # sizes of the names 'b' (batch) and 's' (model shard)
-
-
-def fg_operators(psum):
-    """Megatron's f (identity forward, psum backward) and g (psum forward,
-    identity backward) over 's', written with ``psum`` (nx.psum or lax.psum)."""
-    @jax.custom_vjp
-    def f(x):
-        return x
-    f.defvjp(lambda x: (x, None), lambda _, ct: (psum(ct, "s"),))
-
-    @jax.custom_vjp
-    def g(x):
-        return psum(x, "s")
-    g.defvjp(lambda x: (g(x), None), lambda _, ct: (ct,))
-    return f, g
 
 
 def mlp(psum, fg, x, w1, w2):
@@ -36,7 +22,7 @@ def mlp(psum, fg, x, w1, w2):
     and w2 [h, d] (one shard of h each)."""
     if not fg:
         return psum(jax.nn.gelu(x @ w1) @ w2, "s")
-    f, g = fg_operators(psum)
+    f, g = fg_operators(psum, "s")
     return g(jax.nn.gelu(f(x) @ w1) @ w2)
 
 
@@ -117,7 +103,7 @@ def transformer_block(x, wq, wk, wv, wo, w1, w2, fg):
     heads (wq, wk, wv [d, heads, k], wo [heads, k, d]) and hidden units
     (w1 [d, h], w2 [h, d]). With ``fg`` the shards' sums are Megatron's f/g;
     without, plain nx.psum (whose gradients need no f)."""
-    f, g = fg_operators(nx.psum) if fg else (lambda v: v, lambda v: nx.psum(v, "s"))
+    f, g = fg_operators(nx.psum, "s") if fg else (lambda v: v, lambda v: nx.psum(v, "s"))
 
     def norm(v):
         mean = jnp.mean(v, -1, keepdims=True)

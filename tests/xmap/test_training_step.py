@@ -15,6 +15,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 import nxops as nx
+from tests._megatron import fg_operators
 # The block, its placements and its hand-written twin: one definition, shared
 # with the benchmark that times them.
 from bench.bench_training import (IN_AXES, PLACEMENTS, named_block, shard_map_twin,
@@ -178,19 +179,6 @@ def test_compiled_shardings_are_the_named_shardings_jax_jit_gives(placement, axi
 # and g (psum forward, identity backward) and takes jax.value_and_grad inside
 # the xmapped step, then averages the gradients over 'batch'. Its twin is the
 # same step in jax.shard_map, with the same f/g over lax.psum.
-
-
-def fg_operators(psum, axis):
-    @jax.custom_vjp
-    def f(x):
-        return x
-    f.defvjp(lambda x: (x, None), lambda _, ct: (psum(ct, axis),))
-
-    @jax.custom_vjp
-    def g(x):
-        return psum(x, axis)
-    g.defvjp(lambda x: (g(x), None), lambda _, ct: (ct,))
-    return f, g
 
 
 def fg_step(w1, w2, wv, x, y, psum, pmean, shard):
