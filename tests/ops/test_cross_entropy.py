@@ -220,6 +220,21 @@ def test_vocab_parallel_hlo_has_no_gather_and_one_pmax_one_psum(mesh):
     assert all(np.prod(s) <= 2 * T for c in found for s in c.result_shapes), found
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_compiled_step_holds_no_copy_of_the_weight(dtype):
+    """CPU, value and gradients over 32 chunks: the temp holds chunks, dh and
+    h's f32 copy, never a whole-weight copy (XLA:CPU slices 16-bit data in
+    f32, and would hoist the convert of all of w out of the loop)."""
+    tokens, hidden, vocab = 128, 256, 8192
+    structs = (jax.ShapeDtypeStruct((tokens, hidden), dtype),
+               jax.ShapeDtypeStruct((hidden, vocab), dtype),
+               jax.ShapeDtypeStruct((tokens,), jnp.int32))
+    loss = lambda h, w, l: nx.cross_entropy(h, w, l, hidden=1, vocab=1, vocab_chunk=256).sum()  # noqa: E731
+    compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*structs).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp < hidden * vocab * jnp.dtype(dtype).itemsize, temp
+
+
 # --- errors ---------------------------------------------------------------------
 
 

@@ -48,20 +48,17 @@ def _chunk_starts(vocab: int, size: int) -> tuple[int, int]:
 
 def _chunk(w, step, size: int, vocab: int):
     """(w's columns of chunk ``step``, their vocab ids, which of them are new)."""
+    if size < vocab:
+        # The barrier ties w to the loop's step, so that nothing of the whole
+        # w is loop-invariant: XLA:CPU computes a bf16 slice in f32, and would
+        # hoist the convert of the whole weight out of the loop (a 2x-sized
+        # copy of it); inside the loop it fuses into the slice and converts
+        # one chunk. (One chunk: no loop, and the barrier would only block fusion.)
+        w, step = lax.optimization_barrier((w, step))
     first = step * size
     start = jnp.minimum(first, vocab - size)
     columns = start + lax.broadcasted_iota(jnp.int32, (1, size), 1)
-    return _sliced(w, start, size), start, columns, columns >= first
-
-
-def _sliced(w, start, size: int):
-    """``size`` columns of ``w`` from ``start``. A 16-bit ``w`` is sliced as
-    its bits: XLA:CPU computes bf16 dots in f32 and would otherwise convert
-    the whole weight before the loop (a second, f32 copy of it)."""
-    if w.dtype.itemsize != 2:
-        return lax.dynamic_slice_in_dim(w, start, size, axis=1)
-    bits = lax.bitcast_convert_type(w, jnp.uint16)
-    return lax.bitcast_convert_type(lax.dynamic_slice_in_dim(bits, start, size, axis=1), w.dtype)
+    return lax.dynamic_slice_in_dim(w, start, size, axis=1), start, columns, columns >= first
 
 
 def _logits(h, w_chunk):
