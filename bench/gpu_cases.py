@@ -165,11 +165,33 @@ PROGRAM_NAMES = (
     "mlp_xmap_fwd_bf16", "mlp_xmap_grad_bf16")
 
 
+# --- the fused cross-entropy and the unfused program it replaces (issue 26) ------
+# Forward + backward (value_and_grad by h and w), issue 26's shape; `ci/gpu.sh`'s
+# summary gives fused / unfused, both under the same backend (goal: <= 1.0).
+
+XENT = dict(tokens=8192, hidden=2048, vocab=128256)
+XENT_NAMES = ("xent_fused_grad_bf16", "xent_unfused_grad_bf16")
+
+
+def _xent_case(name: str, scale: int) -> GpuCase:
+    from bench.bench_cross_entropy import fused_loss, unfused_loss  # noqa: PLC0415
+    t, h, v = (max(8, XENT[k] // scale) for k in ("tokens", "hidden", "vocab"))
+    loss = fused_loss if "_fused_" in name else unfused_loss
+
+    def step(hidden, w):   # labels made in the program: GpuCase draws float operands
+        labels = (jnp.arange(t, dtype=jnp.int32) * 7919) % v
+        return jax.value_and_grad(loss, argnums=(0, 1))(hidden, w, labels)
+    return GpuCase(name, "cross_entropy", step, (((t, h), jnp.bfloat16), ((h, v), jnp.bfloat16)),
+                   f"tokens x hidden x vocab {t}x{h}x{v}", feeds_table=False)
+
+
 def case(section: str, name: str, scale: int = 1) -> GpuCase:
     """The case a GPU run's line names."""
-    return (_kernel_case if section == "kernels" else _program_case)(name, scale)
+    build = {"kernels": _kernel_case, "programs": _program_case, "cross_entropy": _xent_case}
+    return build[section](name, scale)
 
 
 def all_cases(scale: int = 1) -> list[GpuCase]:
     return ([case("kernels", n, scale) for n in KERNEL_NAMES]
-            + [case("programs", n, scale) for n in PROGRAM_NAMES])
+            + [case("programs", n, scale) for n in PROGRAM_NAMES]
+            + [case("cross_entropy", n, scale) for n in XENT_NAMES])

@@ -178,7 +178,17 @@ def summary(lines: list[dict]) -> str:
     text = [f"{len(xla)} cases timed; incorrect: {', '.join(wrong) or 'none'}",
             f"kernels at <= {_measured.THRESHOLD}x XLA:", "| case | backend | /xla |", "|---|---|---|"]
     text += [f"| {s}/{c} | {b} | {r:.2f} |" for s, c, b, r in sorted(wins)]
-    return "\n".join(text) + "\n"
+    return "\n".join(text + _fused_vs_unfused(lines)) + "\n"
+
+
+def _fused_vs_unfused(lines: list[dict]) -> list[str]:
+    """nx.cross_entropy's forward + backward over the unfused program's, per
+    backend both ran under (issue 26: at most 1.0)."""
+    times = {(l["case"], l["backend"]): l["kern_us"] for l in lines if l["section"] == "cross_entropy"}
+    fused, unfused = gpu_cases.XENT_NAMES
+    ratios = [f"{b} {times[fused, b] / times[unfused, b]:.2f}" for b in BACKENDS
+              if times.get((fused, b)) and times.get((unfused, b))]
+    return [f"cross-entropy fused / unfused (value_and_grad): {', '.join(ratios)}"] if ratios else []
 
 
 def main(argv=None) -> None:

@@ -28,3 +28,12 @@ def test_summary_lists_the_kernels_that_win_and_the_incorrect_results():
     text = gpu_time.summary(lines)
     assert "| kernels/c | pallas | 0.60 |" in text and "triton |" not in text.split("XLA:")[1]
     assert "incorrect: kernels/c triton" in text
+
+
+def test_summary_gives_the_fused_cross_entropy_over_the_unfused_program():
+    fused, unfused = gpu_time.gpu_cases.XENT_NAMES
+    lines = [dict(section="cross_entropy", case=name, backend=b, kern_us=us, correct=True)
+             for name, b, us in ((fused, "xla", 900.0), (unfused, "xla", 1200.0),
+                                 (fused, "pallas", 800.0))]
+    assert gpu_time.summary(lines).splitlines()[-1] == \
+        "cross-entropy fused / unfused (value_and_grad): xla 0.75"
