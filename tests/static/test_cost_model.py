@@ -42,22 +42,16 @@ TPUS = [m for m in MACHINES if model.MACHINES[m].kind == "tpu"]
 
 
 @needs_compile_extras
-def test_auto_never_models_slower_than_xla_on_tpu(rows):
+def test_the_model_decides_nothing_on_tpu(rows):
+    # No TPU has measured a kernel: `auto` compiles XLA's own program on every
+    # TPU row, also where the model has a kernel modelled faster (rows
+    # logsumexp at 0.50 on v5e; the H200 turned such modelled wins into losses).
     assert {r.machine for r in rows} == set(MACHINES)
     assert not [r for r in rows if r.error], model.markdown([r for r in rows if r.error])
-    slower = [r for r in rows if r.ratio > 1.02 and r.machine in TPUS]
-    assert not slower, "\n" + model.markdown(slower)
-
-
-@needs_compile_extras
-def test_every_kernel_auto_chooses_on_tpu_models_as_a_win(rows):
-    chosen = [r for r in rows if not r.same_program and r.machine in TPUS]
-    assert chosen   # the rows logsumexp of an argument, at least
-    for r in chosen:
-        assert r.auto.kernels, r.program   # a different program: it has nxops kernels
-        assert r.ratio < 1.0, "\n" + model.markdown([r])
+    tpu_rows = [r for r in rows if r.machine in TPUS]
+    assert tpu_rows and all(r.same_program for r in tpu_rows), \
+        "\n" + model.markdown([r for r in tpu_rows if not r.same_program])
     lse = {r.machine: r for r in rows if r.program.startswith("rows logsumexp")}
-    assert all("nxops_reduce_rows_logsumexp" in " ".join(lse[m].auto.kernels) for m in TPUS)
     # on the H100 the table decides: the H200 measured this case at 1.65x XLA
     assert lse["h100"].same_program
 
@@ -144,12 +138,17 @@ def _why(fn, *args, platform="cuda"):
     return report.choice.kernel.backend, report.choice.describe()
 
 
-# (64, 256) rows on tpu: the model's rule; 4096^2 f32 columns on cuda: measured 0.66x
-LSE_CASES = {"tpu": (jnp.ones((64, 256), jnp.bfloat16), 1, "modelled kernel/xla 0.50"),
-             "cuda": (jax.ShapeDtypeStruct((4096, 4096), jnp.float32), 0, "pallas 0.66x XLA")}
+# 4096^2 f32 columns on cuda: measured 0.66x (with the measured kernel versions)
+LSE_CASES = {"cuda": (jax.ShapeDtypeStruct((4096, 4096), jnp.float32), 0, "pallas 0.66x XLA")}
 
 
-@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_auto_on_tpu_quotes_the_model_and_keeps_xla():
+    backend, why = _why(lambda v: nx.logsumexp(v, 1), jnp.ones((64, 256), jnp.bfloat16),
+                        platform="tpu")
+    assert backend == "xla" and "modelled kernel/xla 0.50" in why and "no TPU has measured" in why
+
+
+@pytest.mark.parametrize("platform", ["cuda"])
 def test_auto_takes_the_logsumexp_kernel_only_where_no_producer_would_fuse(platform,
                                                                            measured_kernels):
     v, axis, evidence = LSE_CASES[platform]
