@@ -6,7 +6,7 @@ program slower than plain XLA (``NXOPS_KERNELS=xla``)?
     python -m bench.static.model --measured --machines h100   # beside the measured table
 
 The model decides nothing: `auto` reads what GPUs measured
-(nxops/kernels/measured/; TPUs, never measured yet, keep the model's rule).
+(nxops/kernels/measured/; TPUs, never measured yet, keep XLA).
 ``--measured`` prints the modelled kernel / xla ratio beside the measured
 one for every entry of the sm_90 table.
 

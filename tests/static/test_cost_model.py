@@ -1,9 +1,9 @@
 """The cost model (bench/static/model.py) on its quick program set: every
 program compiled deviceless for H100 and TPU v5e/v6e under NXOPS_KERNELS=auto
-and =xla. On TPU the model's rule is `auto`'s rule, so there `auto` must
-model at or below `xla` (<= 1.02) and every kernel it chooses as a win. On
-cuda `auto` follows the measured table, not the model: the model is only
-shown beside the measurements (and disagrees: bench/static/MODEL.md).
+and =xla. The model decides nothing: on TPU (nothing measured) `auto`
+compiles XLA's own program, and on cuda it follows the measured table; the
+model is only shown beside the measurements (and disagrees:
+bench/static/MODEL.md).
 Compile-time facts only (no clocks)."""
 import importlib.util
 
