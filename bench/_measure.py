@@ -66,8 +66,9 @@ def measure(benchmark, fn: Callable, *args, work: Work | None, peak: Peak, dtype
 
     ``info`` (op, backend, size, ...) goes into ``benchmark.extra_info`` with
     the work, the device and, after a timed run, the roofline numbers from the
-    fastest round (none when ``work`` is None: overheads, compile times). ``rounds`` fixes the number of rounds (for slow calls);
-    otherwise pytest-benchmark calibrates.
+    fastest round (none when ``work`` is None: overheads, compile times).
+    ``rounds`` fixes the number of rounds (for slow calls); otherwise
+    pytest-benchmark calibrates.
     """
     result = jax.block_until_ready(fn(*args))  # compile and warm up, untimed
 

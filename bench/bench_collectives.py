@@ -24,8 +24,6 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import nxops as nx
 from nxops import hlo
-# nxops.kernels.pallas does not import its collectives (yet): register them here.
-from nxops.kernels.pallas import collectives as _pallas_collectives  # noqa: F401
 from bench import _peaks
 from bench._backends import BASELINE, IMPLEMENTATIONS, compile_for, interpreted, skip_reason
 from bench._measure import Work, assert_close, measure

@@ -82,7 +82,7 @@ def test_einsum(benchmark, peak, platform, name, dtype, size, impl):
     if reason:
         pytest.skip(reason)
 
-    baseline = lambda a, b: jnp.einsum(case.spec, a, b)  # noqa: E731
+    baseline = lambda a, b: jnp.einsum(case.spec, a, b)
     fn = baseline if impl == BASELINE else nxops_contraction(name, case)
     compiled = compile_for(impl, fn, a, b)
     expected = jnp.einsum(case.spec, a.astype(jnp.float32), b.astype(jnp.float32),

@@ -77,7 +77,7 @@ def test_runtime(benchmark, peak, impl):
 @pytest.mark.parametrize("impl", ["baseline", "xmap"])
 def test_dispatch(benchmark, peak, impl):
     x = jnp.arange(8, dtype=F32)
-    double = lambda v: v * 2  # noqa: E731
+    double = lambda v: v * 2
     fn = jax.jit(double) if impl == "baseline" else nx.xmap(double, ["i", ...], ["i", ...])
     result = measure(benchmark, fn, x, work=None, peak=peak, dtype=F32, group="frontend-dispatch",
                      info=info(op="per-call overhead (x * 2)", backend=impl, size="8 floats",
@@ -92,9 +92,9 @@ def test_compile(benchmark, peak, impl):
     def trace_and_compile():
         # A new function object each round: jit's caches cannot answer.
         if impl == "baseline":
-            fresh = lambda *a: positional_predict(*a)  # noqa: E731
+            fresh = lambda *a: positional_predict(*a)
             return jax.jit(fresh).lower(*operands).compile()
-        fresh = lambda *a: named_predict(*a)  # noqa: E731
+        fresh = lambda *a: named_predict(*a)
         return nx.xmap(fresh, in_axes=(["inputs", "hidden", ...], ["hidden", "classes", ...],
                                        ["batch", "inputs", ...]),
                        out_axes=["batch", "classes", ...]).lower(*operands).compile()

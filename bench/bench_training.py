@@ -72,7 +72,7 @@ def shard_map_twin(resources, mesh):
             over_shard = jax.vmap(step, in_axes=(0, 0, None, None), out_axes=None,
                                   axis_name="shard")
         else:
-            over_shard = lambda w1, w2, x, y: step(w1[0], w2[0], x, y)  # noqa: E731
+            over_shard = lambda w1, w2, x, y: step(w1[0], w2[0], x, y)
         if batch_axis is None:
             return jax.vmap(over_shard, in_axes=(None, None, 0, 0), out_axes=None,
                             axis_name="batch")(w1, w2, x, y)

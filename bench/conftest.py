@@ -11,7 +11,7 @@ _DEVICES_FLAG = "--xla_force_host_platform_device_count=8"
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DEVICES_FLAG).strip()
 
-import pytest  # noqa: E402
+import pytest  # noqa: E402  (after XLA_FLAGS, like every import that may load jax)
 
 from bench import _peaks  # noqa: E402  (imports jax: after XLA_FLAGS)
 

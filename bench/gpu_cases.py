@@ -174,7 +174,7 @@ XENT_NAMES = ("xent_fused_grad_bf16", "xent_unfused_grad_bf16")
 
 
 def _xent_case(name: str, scale: int) -> GpuCase:
-    from bench.bench_cross_entropy import fused_loss, unfused_loss  # noqa: PLC0415
+    from bench.bench_cross_entropy import fused_loss, unfused_loss
     t, h, v = (max(8, XENT[k] // scale) for k in ("tokens", "hidden", "vocab"))
     loss = fused_loss if "_fused_" in name else unfused_loss
 

@@ -140,7 +140,7 @@ def time_case(case: gpu_cases.GpuCase, backends, calls: int) -> list[dict]:
 
 def _device_fields(dry: bool) -> dict:
     device = jax.devices()[0]
-    from nxops.kernels._gpu_target import capability_of  # noqa: PLC0415
+    from nxops.kernels._gpu_target import capability_of
     capability = 0 if dry else capability_of(device)
     return {"device": device.device_kind, "compute_capability": capability}
 

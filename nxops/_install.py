@@ -27,7 +27,7 @@ def _extra_requirements(extra: str) -> list[str]:
 def _extra_for_this_jax(extra: str) -> str:
     """``triton`` -> ``triton-jax012`` under JAX 0.12: the per-JAX extra whose
     requirements fit the running JAX (the plain name picks by Python version)."""
-    import jax  # noqa: PLC0415
+    import jax
 
     minor = jax.__version__.split(".")[1]
     specific = f"{extra}-jax0{minor}"

@@ -18,41 +18,41 @@ from jax import lax
 # dispatch, abstract evaluation by tracing the reference, and the debug info
 # that tracing wants. Public alternative: none for custom primitives with
 # per-platform lowering rules (jax.extend.core.Primitive is the public part).
-from jax._src import api_util, dispatch  # noqa: F401
-from jax._src.interpreters import partial_eval as pe  # noqa: F401
+from jax._src import api_util, dispatch
+from jax._src.interpreters import partial_eval as pe
 # core: ShapedArray without sharding/vma (kernels lower on plain avals),
 # get_axis_env (which vmap/shard_map names are bound: ops/_axis_env.py),
 # jaxprs_in_params (xmap's variance walk), trace_state_clean (is xmap called
 # eagerly, outside any jit: xmap._OffMesh). No public alternative.
-from jax._src import core  # noqa: F401
+from jax._src import core
 # The lowering context's axis context: is an op auto-partitioned by XLA?
-from jax._src import sharding_impls  # noqa: F401
+from jax._src import sharding_impls
 # Config states: the kernel selection and report epoch as jit-key config
 # (kernels/_registry.py) and check_vma toggles. No public way to define
 # states that are part of the jit cache key. nx.export also lowers symbolic
 # shapes over a mesh with config.use_shardy_partitioner(False) when present
 # (_export.py says why; getattr-detected, absent in a JAX without GSPMD).
-from jax._src import config  # noqa: F401
+from jax._src import config
 # The concrete mesh of jax.set_mesh and the legacy `with mesh:` environment
 # (xmap's mesh in scope). Public: jax.sharding.get_abstract_mesh only gives
 # the abstract mesh.
-from jax._src import mesh as mesh_lib  # noqa: F401
+from jax._src import mesh as mesh_lib
 # What jax.set_mesh sets (JAX 0.10: jax._src.config; 0.11+: jax._src.mesh) and
 # what the legacy `with mesh:` sets.
 device_context = getattr(mesh_lib, "device_context", None) or config.device_context
 legacy_mesh_context = config.mesh_context_manager
 # Whether an argument is a committed jax.Array (xmap's input placement).
-from jax._src.array import ArrayImpl  # noqa: F401
+from jax._src.array import ArrayImpl
 # vmap's out_axes inference sentinel (xmap's tile levels learn which results
 # vary along a name). No public alternative.
-from jax._src.interpreters.batching import infer as infer_out_axes  # noqa: F401
+from jax._src.interpreters.batching import infer as infer_out_axes
 # Source locations in xmap's shared-resource error messages.
-from jax._src import source_info_util  # noqa: F401
+from jax._src import source_info_util
 # Pallas interpret-mode effects of the TPU ring collectives.
-from jax._src.pallas import core as pallas_core  # noqa: F401
+from jax._src.pallas import core as pallas_core
 # Effect types and the sets that allow them (the ring collectives' own
 # ordered effect, accepted by jax.checkpoint). No public alternative.
-from jax._src import effects  # noqa: F401
+from jax._src import effects
 
 # One primitive lowered per platform where a module is lowered for several
 # (jax.export for cpu+cuda+tpu): nxops' kernel primitives lower inline
@@ -63,7 +63,7 @@ from jax._src import effects  # noqa: F401
 # list. None where it moved: the primitives then keep JAX's cached lowering
 # and `auto` sees no producer (it keeps XLA). No public alternative.
 try:
-    from jax._src.interpreters.mlir import lower_per_platform  # noqa: F401
+    from jax._src.interpreters.mlir import lower_per_platform
 except ImportError:  # pragma: no cover - a JAX where it moved
     lower_per_platform = None
 

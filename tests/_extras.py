@@ -14,7 +14,7 @@ def require_extra(extra: str, *modules: str) -> None:
 
 def missing_extra(extra: str, *modules: str) -> str | None:
     """Why a test of ``extra`` cannot run here, or None when its modules import."""
-    import importlib.util  # noqa: PLC0415
+    import importlib.util
     for module in modules:
         if importlib.util.find_spec(module) is None:
             return f"needs nxops' {extra} extra ({module} is not installed): {install_command(extra)}"
@@ -34,12 +34,12 @@ skip_without_triton = skip_without_extra("triton", "triton")
 def gpu_compile_missing() -> str | None:
     """Why deviceless GPU compiles cannot run here (no CUDA plugin or no ptxas
     from the nvcc wheel: CUDA 12 for JAX 0.10, CUDA 13 for JAX 0.12), or None."""
-    import importlib.util  # noqa: PLC0415
+    import importlib.util
     plugins = ("jax_cuda12_plugin", "jax_cuda13_plugin")
     if not any(importlib.util.find_spec(p) is not None for p in plugins):
         return f"needs nxops' compile extra (no CUDA plugin): {install_command('compile')}"
     try:
-        from bench.static.gpu import ptxas_path  # noqa: PLC0415
+        from bench.static.gpu import ptxas_path
         ptxas_path()
     except (ImportError, FileNotFoundError):
         return f"needs nxops' compile extra (no ptxas): {install_command('compile')}"

@@ -6,7 +6,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-import pytest  # noqa: E402
+import pytest
 
 
 @pytest.fixture

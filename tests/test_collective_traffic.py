@@ -11,7 +11,6 @@ from jax.sharding import AxisType, PartitionSpec as P
 import nxops as nx
 from nxops import hlo
 from nxops._errors import NxopsError
-from nxops.kernels.pallas import collectives as _pallas_collectives  # noqa: F401  (registers)
 
 SHARD = (16, 4)          # f32 per device
 SHARD_BYTES = 16 * 4 * 4
@@ -59,7 +58,7 @@ def test_untile_and_all_gather_are_one_all_gather(body, axis_type):
 
 def test_psum_scatter_is_one_reduce_scatter():
     m = make_mesh((8,), ("x",))
-    body = lambda s: nx.psum_scatter(s, "x", scatter_dimension=0, tiled=True)  # noqa: E731
+    body = lambda s: nx.psum_scatter(s, "x", scatter_dimension=0, tiled=True)
     c = only_collective(shard_mapped(body, m, P("x")), data((128, 4), m, P("x")), m)
     assert (c.kind, c.group_size, c.buffer_bytes) == ("reduce-scatter", 8, SHARD_BYTES)
     assert c.bytes_per_device == 7 / 8 * SHARD_BYTES and c.ratio == 1.0

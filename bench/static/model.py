@@ -70,7 +70,7 @@ from typing import Any, Callable
 # a table run) share this machine.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-import jax  # noqa: E402
+import jax
 
 GPU_OVERHEAD = 2e-6
 TPU_OVERHEAD = 0.5e-6
@@ -497,7 +497,7 @@ def programs() -> list[Program]:
     import nxops as nx
 
     bf16, f32 = jnp.bfloat16, jnp.float32
-    mm = lambda a, b: nx.einsum("mk,kn->mn", a, b)  # noqa: E731
+    mm = lambda a, b: nx.einsum("mk,kn->mn", a, b)
     out = [
         Program("rows logsumexp 4096^2", lambda v: nx.logsumexp(v, 1), ((4096, 4096),), bf16,
                 quick=True),
@@ -660,7 +660,7 @@ def evaluate(progs, machines, compile_same: bool = True, progress: bool = False)
                 continue
             try:
                 rows.append(Row(p.name, machine, *estimate_both(p, machine, compile_same)))
-            except Exception as e:  # noqa: BLE001 - a program that cannot compile is reported
+            except Exception as e:  # a program that cannot compile is reported
                 rows.append(Row(p.name, machine, None, None, f"{type(e).__name__}: {e}"[:200]))
             if progress:
                 print(markdown(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)

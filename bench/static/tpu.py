@@ -173,23 +173,23 @@ def cases() -> list[Case]:
                     out.append(Case(f"grad {where} {op} {shape}", _grad(kernel), _grad(base),
                                     (shape,), 3 * n))
     for size in (1024, 8192):                         # bench_einsum matmul medium / large
-        mm = lambda a, b: nx.einsum("mk,kn->mn", a, b)  # noqa: E731
+        mm = lambda a, b: nx.einsum("mk,kn->mn", a, b)
         out.append(Case(f"matmul {size}^3", mm, jnp.matmul, ((size, size),) * 2,
                         3 * size * size, 2 * size ** 3))
     out.append(Case("grad matmul 1024^3", _grad(mm, (0, 1)), _grad(jnp.matmul, (0, 1)),
                     ((1024, 1024),) * 2, 7 * 1024 * 1024, 6 * 1024 ** 3))
-    tile = lambda v: nx.tile(v, {"x": 0})  # noqa: E731
-    tile_ref = lambda v: lax.dynamic_slice_in_dim(  # noqa: E731
+    tile = lambda v: nx.tile(v, {"x": 0})
+    tile_ref = lambda v: lax.dynamic_slice_in_dim(
         v, lax.axis_index("x") * (v.shape[0] // 4), v.shape[0] // 4, 0)
     out.append(Case("tile (8192, 4096) 1 of 4", tile, tile_ref, ((8192, 4096),), 8192 * 4096 // 2))
     out.append(Case("grad tile (8192, 4096)", _grad(tile), _grad(tile_ref), ((8192, 4096),),
                     8192 * 4096 + 8192 * 4096 // 2))
     for rows in (8, 2048, 131072):                    # bench_collectives shards: 4 KiB .. 64 MiB f32
         shard = (rows, 128)
-        ag = lambda v: nx.all_gather(v, "x", axis=0, tiled=True)  # noqa: E731
-        ag_ref = lambda v: lax.all_gather(v, "x", axis=0, tiled=True)  # noqa: E731
-        rs = lambda v: nx.psum_scatter(v, "x", scatter_dimension=0, tiled=True)  # noqa: E731
-        rs_ref = lambda v: lax.psum_scatter(v, "x", scatter_dimension=0, tiled=True)  # noqa: E731
+        ag = lambda v: nx.all_gather(v, "x", axis=0, tiled=True)
+        ag_ref = lambda v: lax.all_gather(v, "x", axis=0, tiled=True)
+        rs = lambda v: nx.psum_scatter(v, "x", scatter_dimension=0, tiled=True)
+        rs_ref = lambda v: lax.psum_scatter(v, "x", scatter_dimension=0, tiled=True)
         out.append(Case(f"ring all-gather {shard}", ag, ag_ref, (shard,), 3 * rows * 128))
         out.append(Case(f"ring reduce-scatter {shard}", rs, rs_ref, (shard,), rows * 128 * 5 // 4))
         if rows == 2048:

@@ -13,7 +13,7 @@ The contract with ``nxops.ops`` (the only layer above) is this module's names:
 from nxops.kernels._explain import Explanation, explain
 from nxops.kernels._gpu_target import kernel_mesh, target_devices
 from nxops.kernels._registry import (
-    ARGUMENT, UNKNOWN, BACKENDS, CHOICES, FAMILIES, OP_FAMILY, PLATFORMS, Choice, Kernel, Selection,
+    ARGUMENT, UNKNOWN, BACKENDS, CHOICES, FAMILIES, OP_FAMILY, PLATFORMS, Choice, Kernel, Selection,  # noqa: F401  (ARGUMENT, UNKNOWN: the contract with nxops.ops)
     choose, collect_reports, current_selection, parse_selection, register, registered, report,
     target_platform, use,
 )

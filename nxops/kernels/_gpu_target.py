@@ -21,6 +21,13 @@ from nxops.kernels import _tpu_target
 ARCHS = ("sm90", "sm80")   # wgmma (Hopper) | mma.sync (Ampere, Ada)
 DEFAULT_COMPUTE_CAPABILITY = 90
 
+# Streaming multiprocessors of each architecture's reference part (H100 SXM,
+# A100): a launch with fewer programs leaves SMs idle.
+SM_COUNT = {"sm90": 132, "sm80": 108}
+# The architecture whose SM count sizes the launch plans that do not ask for
+# the target's (the one-pass reductions, split-K).
+PLANNED_ARCH = "sm90"
+
 _TARGET: contextvars.ContextVar[int | None] = contextvars.ContextVar(
     "nxops_gpu_target_compute_capability", default=None)
 
@@ -38,6 +45,10 @@ def arch_for(capability: int) -> str:
     """``sm90`` for compute capability 9.x and later, else ``sm80``."""
     return "sm90" if capability >= 90 else "sm80"
 
+
+def sm_count(arch: str | None = None) -> int:
+    """SMs of ``arch`` (default: the architecture being built for)."""
+    return SM_COUNT.get(arch or gpu_arch(), SM_COUNT[PLANNED_ARCH])
 
 
 @contextlib.contextmanager

@@ -8,7 +8,7 @@ from nxops.ops._moments import std, var
 from nxops.ops._reduce import logsumexp, max, mean, min, pmax, pmean, pmin, prod, psum, sum
 
 __all__ = [
-    "all_gather", "all_to_all", "axis_index", "axis_size", "cross_entropy", "einsum", "logsumexp", "max", "mean",
-    "min", "one_hot", "pdot", "pmax", "pmean", "pmin", "ppermute", "prod", "psum", "psum_scatter",
+    "all_gather", "all_to_all", "axis_index", "axis_size", "cross_entropy", "einsum", "logsumexp", "max",
+    "mean", "min", "one_hot", "pdot", "pmax", "pmean", "pmin", "ppermute", "prod", "psum", "psum_scatter",
     "std", "sum", "tile", "untile", "var",
 ]

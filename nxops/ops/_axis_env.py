@@ -17,7 +17,8 @@ import contextlib
 import difflib
 import contextvars
 import dataclasses
-from typing import Callable, Iterator, Sequence
+import types
+from typing import Callable, Iterator, Mapping, Sequence
 
 import jax
 
@@ -69,10 +70,12 @@ class LogicalAxis:
     loops: tuple = ()
 
 
-_LOGICAL_AXES: contextvars.ContextVar[dict[str, LogicalAxis]] = contextvars.ContextVar(
-    "nxops_logical_axes", default={})
+# The defaults are read-only: a block installs a new mapping, never edits one.
+_LOGICAL_AXES: contextvars.ContextVar[Mapping[str, LogicalAxis]] = contextvars.ContextVar(
+    "nxops_logical_axes", default=types.MappingProxyType({}))
 # The current step (a traced int) of each serial loop whose body is being traced.
-_LOOP_STEPS: contextvars.ContextVar[dict] = contextvars.ContextVar("nxops_loop_steps", default={})
+_LOOP_STEPS: contextvars.ContextVar[Mapping] = contextvars.ContextVar(
+    "nxops_loop_steps", default=types.MappingProxyType({}))
 
 
 @contextlib.contextmanager

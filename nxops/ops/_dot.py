@@ -14,6 +14,7 @@ import numpy as np
 from jax import lax
 from jax.interpreters import ad, batching
 
+from nxops.kernels import _layout
 from nxops.kernels.xla import dot_general as xla_dot_general
 from nxops.ops._primitive import kernel_primitive, match_varying
 from nxops.ops._reduce import bind_reduce
@@ -75,9 +76,9 @@ def _dot_batcher(axis_data, vals_in, dims_in, *, dimension_numbers, contract_nam
                            contract_names=contract_names, **params)
     # The result's dims: batch dims, then a's free dims, then b's, each in order.
     if da is not None:
-        return out, len(ab) + xla_dot_general.free_dims(a.ndim, ac, ab).index(da)
-    n_a_free = len(xla_dot_general.free_dims(a.ndim, ac, ab))
-    return out, len(ab) + n_a_free + xla_dot_general.free_dims(b.ndim, bc, bb).index(db)
+        return out, len(ab) + _layout.free_dims(a.ndim, ac, ab).index(da)
+    n_a_free = len(_layout.free_dims(a.ndim, ac, ab))
+    return out, len(ab) + n_a_free + _layout.free_dims(b.ndim, bc, bb).index(db)
 
 
 batching.fancy_primitive_batchers[dot_general_p] = _dot_batcher

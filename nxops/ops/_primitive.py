@@ -43,7 +43,7 @@ def _kernel_params(params: dict, naming_params: Sequence[str]) -> dict:
 def _abstract_eval_cached(reference, avals, items, x64: bool):
     del x64   # a cache key only: it changes the reference's promotions (int8 sum: int32/int64)
     params = dict(items)
-    fn = lambda *args: [reference(*args, **params)]  # noqa: E731  (a list: one output)
+    fn = lambda *args: [reference(*args, **params)]  # a list: one output
     info = api_util.debug_info("nxops abstract eval", reference, avals, {})
     (out,) = pe.abstract_eval_fun(fn, *avals, debug_info=info)
     return out
@@ -107,7 +107,7 @@ def _producer(value) -> str:
             if op.name not in _VIEWS:
                 return op.name
             value = op.operands[0]
-    except Exception:  # noqa: BLE001 - an IR shape we do not know: say so, and auto keeps XLA
+    except Exception:  # an IR shape we do not know: say so, and auto keeps XLA
         return _kernels.UNKNOWN
     return _kernels.UNKNOWN
 

@@ -40,6 +40,7 @@ from nxops.xmap._plan import Plan, show_resource
 from nxops.xmap._specs import AxisSpec
 
 Names = frozenset
+NO_NAMES: Names = Names()
 
 # lax collectives: the parameter naming their axes, and whether the result
 # still varies along them ("keep") or not ("drop").
@@ -89,7 +90,7 @@ def check_uniform_trip_counts(body: Callable, plan: Plan, in_tree, flat_args: Se
 def _analyze(body, plan: Plan, in_tree, flat_args, flat_specs, shared) -> list[Names] | None:
     try:
         jaxpr = _trace_per_instance(body, plan, in_tree, flat_args, flat_specs)
-    except Exception:  # noqa: BLE001
+    except Exception:  # a use of the names, or the body's own error
         # An error in the body itself: the program's own trace, which comes
         # next, reports it (with the real resources bound).
         return None
@@ -112,7 +113,7 @@ def runs_without(body: Callable, plan: Plan, names: Sequence[str], in_tree,
     whose JVP/VJP JAX traces only later (under an outer grad), which may."""
     try:
         jaxpr = _trace_per_instance(body, plan, in_tree, flat_args, flat_specs, unbound=names)
-    except Exception:  # noqa: BLE001 - a use of the names, or the body's own error
+    except Exception:  # the caller re-raises the program's own error
         return False
     return not any(eqn.primitive.name in _CUSTOM_RULE_PRIMITIVES
                    for eqn in _all_eqns([jaxpr.jaxpr]))
@@ -131,7 +132,7 @@ def closed_over_constants(body: Callable, plan: Plan, in_tree, flat_args: Sequen
     """The values ``body`` closes over (its jaxpr's constants; [] if it fails)."""
     try:
         return list(_trace_per_instance(body, plan, in_tree, flat_args, flat_specs).consts)
-    except Exception:  # noqa: BLE001 - the caller re-raises the program's own error
+    except Exception:
         return []
 
 
@@ -148,7 +149,7 @@ def _trace_per_instance(body, plan: Plan, in_tree, flat_args, flat_specs,
         avals.append(jax.ShapeDtypeStruct(shape, aval.dtype, weak_type=aval.weak_type))
     bound = [a for a in plan.axes if a.name not in unbound]
     env = {a.name: LogicalAxis(physical=(a.vmap_name,)) for a in bound}
-    flat_body = lambda *flat: body(*jax.tree.unflatten(in_tree, flat))  # noqa: E731
+    flat_body = lambda *flat: body(*jax.tree.unflatten(in_tree, flat))
     with logical_axes(env):
         axis_env = [(a.vmap_name, a.size) for a in bound]
         return jax.make_jaxpr(flat_body, axis_env=axis_env)(*avals)
@@ -176,14 +177,14 @@ class _Analysis:
         self.branches_per_device = False
 
     def run(self, jaxpr: Jaxpr, in_names: Sequence[Names],
-            const_names: Names = Names()) -> list[Names]:
+            const_names: Names = NO_NAMES) -> list[Names]:
         """The names each output of ``jaxpr`` varies along, given its inputs'."""
         env: dict = {}
         for var, names in zip(jaxpr.invars, in_names):
             env[var] = names
         for var in jaxpr.constvars:
             env[var] = const_names
-        read = lambda v: Names() if isinstance(v, Literal) else env[v]  # noqa: E731
+        read = lambda v: Names() if isinstance(v, Literal) else env[v]
         for eqn in jaxpr.eqns:
             outs = self._eqn(eqn, [read(v) for v in eqn.invars])
             for var, names in zip(eqn.outvars, outs):
@@ -337,7 +338,7 @@ class _Analysis:
         axes = axes if isinstance(axes, (tuple, list)) else (axes,)
         return Names(self._logical[a] for a in axes if a in self._logical)
 
-    def _check(self, names: Names, eqn, over: Names = Names()) -> None:
+    def _check(self, names: Names, eqn, over: Names = NO_NAMES) -> None:
         """``names``: what a result of ``eqn`` varies along, or, for a collective
         ``over`` some names, those plus what its operand varies along."""
         if len(names) < 2:

@@ -36,7 +36,7 @@ def triton_calls(text):
     for line in text.splitlines():
         if TRITON_CALL not in line:
             continue
-        grab = lambda key: int(re.search(rf"{key} = (\d+) : i32", line).group(1))  # noqa: E731
+        grab = lambda key: int(re.search(rf"{key} = (\d+) : i32", line).group(1))
         calls.append(dict(name=re.search(r'name = "([^"]*)"', line).group(1),
                           grid=(grab("grid_x"), grab("grid_y"), grab("grid_z")),
                           num_warps=grab("num_warps"), num_stages=grab("num_stages")))
@@ -57,7 +57,7 @@ def mosaic_calls(text):
             tpu_dialect.register_dialect(context)
             context.allow_unregistered_dialects = True
             module = str(ir.Module.parse(body))
-        ints = lambda s: tuple(int(v) for v in s.split(","))  # noqa: E731
+        ints = lambda s: tuple(int(v) for v in s.split(","))
         calls.append(dict(
             name=re.search(r'sym_name = "([^"]*)"', module).group(1),
             grid=ints(re.search(r"iteration_bounds = array<i64: ([^>]*)>", module).group(1)),

@@ -4,8 +4,8 @@ import contextlib
 
 import jax.numpy as jnp
 
-from nxops.kernels._tolerances import assert_close  # noqa: F401 (the tests import it from here)
-from nxops.kernels.pallas import _common
+from nxops.kernels._tolerances import assert_close  # noqa: F401  (the tests import it from here)
+from nxops.kernels import _knobs
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -20,6 +20,6 @@ SMALL_CAPS = {
 
 @contextlib.contextmanager
 def small_blocks(style):
-    with _common.block_caps(style, **SMALL_CAPS[style]):
+    with _knobs.tuned(f"pallas.{style}", **SMALL_CAPS[style]):
         yield
 

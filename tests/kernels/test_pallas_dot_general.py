@@ -13,8 +13,7 @@ import pytest
 from jax import lax
 
 from nxops._errors import NxopsError
-from nxops.kernels import _gpu_target, _registry, _tpu_target
-from nxops.kernels.pallas import _common
+from nxops.kernels import _gpu_target, _knobs, _registry, _tpu_target
 from nxops.kernels.pallas import dot_general as pallas_dot
 from nxops.kernels.xla import dot_general as xla_dot
 from tests.kernels._tolerances import assert_close, small_blocks
@@ -55,7 +54,7 @@ def numpy_dot_general(a, b, dimension_numbers):
         b_sub[j] = a_sub[i]
     out = ([a_sub[i] for i in ab] + [a_sub[i] for i in range(a.ndim) if i not in ac + ab]
            + [b_sub[j] for j in range(b.ndim) if j not in bc + bb])
-    as64 = lambda v: np.asarray(jnp.asarray(v, jnp.float32), np.float64)  # noqa: E731
+    as64 = lambda v: np.asarray(jnp.asarray(v, jnp.float32), np.float64)
     return np.einsum(f"{''.join(a_sub)},{''.join(b_sub)}->{''.join(out)}", as64(a), as64(b))
 
 
@@ -131,7 +130,7 @@ def dot_general_problems(draw):
     b_order = draw(st.permutations(b_dims))
     pos_a = {d: p for p, d in enumerate(a_order)}
     pos_b = {d: p for p, d in enumerate(b_order)}
-    pick = lambda kind, pos: tuple(pos[i] for i, k in enumerate(kinds) if k == kind)  # noqa: E731
+    pick = lambda kind, pos: tuple(pos[i] for i, k in enumerate(kinds) if k == kind)
     dn = ((pick("contract", pos_a), pick("contract", pos_b)),
           (pick("batch", pos_a), pick("batch", pos_b)))
     return (tuple(sizes[d] for d in a_order), tuple(sizes[d] for d in b_order), dn)
@@ -235,7 +234,7 @@ def test_skinny_matmul_tiles_fill_the_sms_in_one_launch(arch, shape):
     n_m, n_k, n_n = shape
     bm, bn, bk, warps, stages = pallas_dot.triton_matmul_config(n_m, n_n, n_k, 2, arch)
     programs = -(-n_m // bm) * -(-n_n // bn)
-    assert programs >= min(pallas_dot.SM_COUNT[arch], -(-n_m // 16) * -(-n_n // 16))
+    assert programs >= min(_gpu_target.SM_COUNT[arch], -(-n_m // 16) * -(-n_n // 16))
     assert min(bm, bn, bk) >= 16 and stages * (bm + bn) * bk * 2 <= 160 * 1024
 
 
@@ -305,7 +304,7 @@ def test_mosaic_matmul_in_a_chips_tiles_matches_numpy_on_edge_blocks(dtype):
     a, b = operands((2, 300, 260), (2, 260, 390), dtype)
     a = a.at[1, 7, 3].set(jnp.nan)
     with (_gpu_target.target_devices([FakeTpu("TPU v5 lite")]),
-          _common.block_caps("mosaic", m=128, n=128, k=128)):
+          _knobs.tuned("pallas.mosaic", m=128, n=128, k=128)):
         assert pallas_dot.mosaic_matmul_tiles(
             2, 300, 390, 260, 4, 4, _tpu_target.tpu_chip())[:3] == (128, 128, 128)
         got = pallas_fn("mosaic", dn, precision=HIGHEST)(a, b)

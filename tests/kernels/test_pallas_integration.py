@@ -79,7 +79,7 @@ def test_auto_lowers_kernels_where_its_rule_takes_them(platform, name):
 def test_auto_keeps_xla_on_cpu_and_for_unsupported_cases(measured_kernels):
     # 4096^2 bf16 column sums: the H200 measured the Pallas kernel at 0.84x XLA
     x = jax.ShapeDtypeStruct((4096, 4096), jnp.int32)
-    fn = lambda x: nx.sum(x, 0)  # noqa: E731
+    fn = lambda x: nx.sum(x, 0)
     bf16 = jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)
     assert nx.kernels.explain(fn, bf16, platform="cpu").backends() == {"reduce": {"xla"}}
     assert nx.kernels.explain(fn, bf16, platform="cuda").backends() == {"reduce": {"pallas"}}

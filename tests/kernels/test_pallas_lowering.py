@@ -240,7 +240,7 @@ TILE_CASES = [((12, 5), 0, 3), ((12, 5), 1, 5), ((8, 4, 1024), 1, 4), ((4096, 8)
 @pytest.mark.parametrize("shape,dim,count", TILE_CASES, ids=[f"{s}-{d}-{c}" for s, d, c in TILE_CASES])
 def test_tile_lowers(platform, shape, dim, count):
     for dtype in dtypes_for(platform) + (jnp.int32,):
-        fn = lambda x, i: pallas_tile.tile(x, i, dim=dim, count=count, platform=platform)  # noqa: E731
+        fn = lambda x, i: pallas_tile.tile(x, i, dim=dim, count=count, platform=platform)
         text = lower_text(fn, spec(shape, dtype), spec((), jnp.int32), platform=platform)
         calls = assert_only_pallas_calls(text, platform, 1, "nxops_tile")
         if platform == "tpu":

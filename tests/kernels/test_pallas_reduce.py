@@ -16,7 +16,7 @@ from nxops._errors import NxopsError
 from nxops.kernels import _layout, _registry
 from nxops.kernels.pallas import _common, reduce as pallas_reduce
 from nxops.kernels.xla import reduce as xla_reduce
-from tests.kernels._tolerances import FLOAT_DTYPES, assert_close, small_blocks
+from tests.kernels._tolerances import assert_close, small_blocks
 
 OPS = xla_reduce.REDUCE_OPS
 STYLES = _common.STYLES

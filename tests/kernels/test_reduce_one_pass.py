@@ -4,6 +4,8 @@ interpreter), against NumPy in float64: odd lengths, f32/bf16/f16, NaN,
 +-inf, all -inf rows and columns, size 1 and size 0, forward and gradient.
 Small blocks and program targets, so that the arrays span several steps,
 pieces and a second pass."""
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +13,7 @@ import pytest
 
 from tests._extras import skip_without_triton
 
-from nxops.kernels import _layout
+from nxops.kernels import _knobs, _layout
 from nxops.kernels.pallas import reduce as pallas_reduce
 from tests.kernels._tolerances import FLOAT_DTYPES, assert_close, small_blocks
 
@@ -39,13 +41,12 @@ def numpy_reduce(x, axis: int, op: str) -> np.ndarray:
                           axis=axis)
 
 
-def _small_triton(monkeypatch):
+@contextlib.contextmanager
+def _small_triton():
     """The Triton backend's module with small blocks and a GPU of 6 programs."""
     from nxops.kernels.triton import reduce as triton_reduce
-    for name, value in dict(MAX_BLOCK=32, MAX_REDUCED_BLOCK=8, TARGET_PROGRAMS=6,
-                            MIN_STEPS_PER_PIECE=1).items():
-        monkeypatch.setattr(triton_reduce, name, value)
-    return triton_reduce
+    with _knobs.tuned("triton.reduce", tile=32, cols=8, programs=6, min_steps=1):
+        yield triton_reduce
 
 
 @pytest.fixture
@@ -56,7 +57,8 @@ def run(monkeypatch):
         if backend == "pallas":
             with small_blocks("triton"):
                 return pallas_reduce.reduce_in_style(x, axes=(axis,), op=op, style="triton")
-        return _small_triton(monkeypatch).reduce(x, axes=(axis,), op=op)
+        with _small_triton() as triton_reduce:
+            return triton_reduce.reduce(x, axes=(axis,), op=op)
     return call
 
 
@@ -67,7 +69,8 @@ def test_the_exactly_tiled_shapes_load_without_masks(monkeypatch, backend):
         with small_blocks("triton"):
             knobs = pallas_reduce._knobs()
     else:
-        knobs = _small_triton(monkeypatch).knobs()
+        with _small_triton() as triton_reduce:
+            knobs = triton_reduce.knobs()
     assert _layout.rows_plan(8, 256, 4, knobs).exact
     assert _layout.columns_plan(1, 256, 8, 4, knobs).exact
     assert not _layout.rows_plan(7, 301, 4, knobs).exact

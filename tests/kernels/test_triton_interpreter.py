@@ -109,3 +109,35 @@ def test_compiling_for_cuda_still_works_after_an_interpreted_launch():
     text = jax.jit(on_cuda).trace(jax.ShapeDtypeStruct((4, 7), jnp.float32)).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "triton_kernel_call" in text
+
+
+def test_every_launch_sets_fp_fusion_itself(monkeypatch):
+    """jax-triton takes ``enable_fp_fusion`` per launch: nxops passes it
+    there instead of changing Triton's process-wide default."""
+    import jax
+    import jax.numpy as jnp
+    from nxops.kernels.triton import _launch
+
+    calls = []
+
+    def triton_call(*args, **kwargs):
+        calls.append(kwargs)
+        return [jnp.zeros(s.shape, s.dtype) for s in kwargs[_launch._OUT_KEYWORD]]
+
+    monkeypatch.setattr(_launch, "_jax_triton", lambda: types.SimpleNamespace(triton_call=triton_call))
+    _launch.launch(_row_sums_via_helpers, jnp.ones((4, 7)), 7, target=_launch.Target("cuda", 90),
+                   name="sums", out_shape=[jax.ShapeDtypeStruct((4,), jnp.float32)], grid=(4,),
+                   BC=8)
+    assert calls[0]["enable_fp_fusion"] is True
+
+
+def test_importing_nxops_leaves_tritons_environment_alone():
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_DEFAULT_FP_FUSION"}
+    out = subprocess.run(
+        [sys.executable, "-c", "import os, nxops; print(os.environ.get('TRITON_DEFAULT_FP_FUSION'))"],
+        env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "None", out

@@ -18,6 +18,7 @@ from tests._extras import require_extra
 require_extra("triton", "triton")
 
 import nxops as nx
+from nxops.kernels import _knobs
 from nxops.kernels.triton import dot_general as triton_dot
 from nxops.kernels.triton import reduce as triton_reduce
 from nxops.kernels.triton import tile as triton_tile
@@ -37,19 +38,13 @@ SETTINGS = hypothesis.settings(max_examples=15, deadline=None, derandomize=True,
 
 
 @pytest.fixture
-def small_blocks(monkeypatch):
+def small_blocks():
     """Blocks of a few elements and a GPU of a few programs: every path (many
     blocks, masked edges, split reduced axis / split K) on small arrays."""
-    monkeypatch.setattr(triton_reduce, "MAX_BLOCK", 32)
-    monkeypatch.setattr(triton_reduce, "MAX_REDUCED_BLOCK", 8)
-    monkeypatch.setattr(triton_reduce, "TARGET_PROGRAMS", 6)
-    monkeypatch.setattr(triton_reduce, "MIN_STEPS_PER_PIECE", 1)
-    monkeypatch.setattr(triton_dot, "TARGET_PROGRAMS", 6)
-    monkeypatch.setattr(triton_dot, "MIN_K_STEPS_PER_SPLIT", 1)
-    monkeypatch.setattr(triton_dot, "CONFIGS", {
-        key: triton_dot.Config(16, 16, 16, 2, 2) for key in triton_dot.CONFIGS})
-    monkeypatch.setattr(triton_tile, "MAX_BLOCK", 32)
-    monkeypatch.setattr(triton_tile, "MAX_ROW_BLOCK", 8)
+    with (_knobs.tuned("triton.reduce", tile=32, cols=8, programs=6, min_steps=1),
+          _knobs.tuned("triton.dot_general", programs=6, min_k_steps=1, m=16, n=16, k=16),
+          _knobs.tuned("triton.tile", tile=32, cols=8)):
+        yield
 
 
 def _values(rng, shape, op, dtype, specials: bool):
@@ -145,7 +140,7 @@ def contractions(draw):
     a_dims, a_shape = layout(a_kinds, a_order)
     b_dims, b_shape = layout(b_kinds, b_order)
     for kind in ("b", "c"):   # matching sizes along paired dims
-        for i, (da, db) in enumerate(zip(a_dims[kind], b_dims[kind])):
+        for da, db in zip(a_dims[kind], b_dims[kind]):
             b_shape[db] = a_shape[da]
     dims = ((tuple(a_dims["c"]), tuple(b_dims["c"])), (tuple(a_dims["b"]), tuple(b_dims["b"])))
     return tuple(a_shape), tuple(b_shape), dims, draw(st.sampled_from(FLOAT_DTYPES)), \
@@ -187,9 +182,9 @@ def test_dot_general_gradient_vmap_and_jit(small_blocks):
     def loss(fn, a, b):
         return jnp.sum(jnp.tanh(fn(a, b)))
 
-    kernel = lambda a, b: dot_kernel(  # noqa: E731
+    kernel = lambda a, b: dot_kernel(
         a, b, dimension_numbers=dims, precision=lax.Precision.HIGHEST)
-    reference = lambda a, b: lax.dot_general(a, b, dims, precision=lax.Precision.HIGHEST)  # noqa: E731
+    reference = lambda a, b: lax.dot_general(a, b, dims, precision=lax.Precision.HIGHEST)
     got = jax.jit(jax.grad(lambda a, b: loss(kernel, a, b), argnums=(0, 1)))(a, b)
     want = jax.grad(lambda a, b: loss(reference, a, b), argnums=(0, 1))(a, b)
     for g, w in zip(got, want):

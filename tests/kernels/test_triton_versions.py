@@ -61,7 +61,7 @@ def test_an_incompatible_stack_raises_when_asked_for_and_auto_passes_over_it(mon
     problem = _versions.problem({"jax": "0.10.2", "jax-triton": "0.4.1", "triton": "3.8.0"})
     monkeypatch.setattr(_versions, "_installed_problem", lambda: problem)
     x = jax.ShapeDtypeStruct((16384, 8192), jnp.float32)   # measured: triton 0.71x, pallas 0.94x
-    fn = lambda x: nx.logsumexp(x, 1)  # noqa: E731
+    fn = lambda x: nx.logsumexp(x, 1)
     with nx.kernels.use("triton"), pytest.raises(nx.NxopsError, match="incompatible Triton stack"):
         nx.kernels.explain(fn, x, platform="cuda")
     choice = nx.kernels.explain(fn, x, platform="cuda").reports[0].choice

@@ -163,7 +163,8 @@ def test_gradients_of_vmap_untile_and_psum_scatter_match_lax():
         return (jax.vmap(lambda r: nx.untile(r, {"i": 0}), axis_name="i", out_axes=None)(x) * w).sum()
 
     def ref(x):
-        return (jax.vmap(lambda r: lax.all_gather(r, "i", tiled=True), axis_name="i", out_axes=None)(x) * w).sum()
+        gathered = jax.vmap(lambda r: lax.all_gather(r, "i", tiled=True), axis_name="i", out_axes=None)
+        return (gathered(x) * w).sum()
     assert_close(jax.grad(named)(x), jax.grad(ref)(x))
     s_named = jax.grad(lambda x: (jax.vmap(lambda r: nx.psum_scatter(r, "i", tiled=True),
                                            axis_name="i")(x) ** 2).sum())(arange(4, 8))

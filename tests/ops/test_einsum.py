@@ -88,16 +88,16 @@ def test_three_operands_with_names():
 
 def test_gradient_of_named_einsum_matches_positional():
     x, w = rand(7, 5), rand(5, 3)
-    loss = lambda x, w: (named_matmul(x, w, "<b,k>,<k>m->m<b>") ** 2).sum()  # noqa: E731
-    ref = lambda x, w: ((x @ w) ** 2).sum()  # noqa: E731
+    loss = lambda x, w: (named_matmul(x, w, "<b,k>,<k>m->m<b>") ** 2).sum()
+    ref = lambda x, w: ((x @ w) ** 2).sum()
     for g, r in zip(jax.grad(loss, (0, 1))(x, w), jax.grad(ref, (0, 1))(x, w)):
         assert_close(g, r, scale=10)
 
 
 def test_gradient_of_positional_einsum_with_batch_and_transpose():
     a, b = rand(2, 3, 4), rand(2, 5, 4)
-    f = lambda a, b: (nx.einsum("bij,bkj->kbi", a, b) * np.arange(3.0)).sum()  # noqa: E731
-    ref = lambda a, b: (jnp.einsum("bij,bkj->kbi", a, b) * np.arange(3.0)).sum()  # noqa: E731
+    f = lambda a, b: (nx.einsum("bij,bkj->kbi", a, b) * np.arange(3.0)).sum()
+    ref = lambda a, b: (jnp.einsum("bij,bkj->kbi", a, b) * np.arange(3.0)).sum()
     for g, r in zip(jax.grad(f, (0, 1))(a, b), jax.grad(ref, (0, 1))(a, b)):
         assert_close(g, r, scale=10)
 
@@ -186,7 +186,7 @@ def test_random_specs_match_np_einsum(problem):
         return pos + (f"<{','.join(group)}>" if group else "")
     spec = ",".join(term_text(t) for t in terms) + "->" + term_text(out, True)
 
-    fn = lambda *ops: nx.einsum(spec, *ops)  # noqa: E731
+    fn = lambda *ops: nx.einsum(spec, *ops)
     for name in reversed(names):
         outer = names[:names.index(name)]  # already vmapped away at this level
         in_axes = tuple(t.index(name) - sum(1 for c in t[:t.index(name)] if c in outer)
@@ -237,7 +237,8 @@ def test_bad_specs_quote_and_point(spec, message):
 def test_operand_count_and_rank_errors():
     with pytest.raises(nx.NxopsError, match="has 2 operand terms but was given 1"):
         nx.einsum("ij,jk->ik", np.ones((2, 2)))
-    with pytest.raises(nx.NxopsError, match=r"'ij' has 2 positional letters but its operand has shape \(2, 2, 2\)"):
+    with pytest.raises(nx.NxopsError,
+                       match=r"'ij' has 2 positional letters but its operand has shape \(2, 2, 2\)"):
         nx.einsum("ij,jk->ik", np.ones((2, 2, 2)), np.ones((2, 2)))
     with pytest.raises(nx.NxopsError, match="letter 'j' has size 3 in one operand and 4"):
         nx.einsum("ij,jk->ik", np.ones((2, 3)), np.ones((4, 2)))

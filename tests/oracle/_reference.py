@@ -71,9 +71,9 @@ def _reduction(jnp_fn):
     return reduce
 
 
-sum = _reduction(jnp.sum)          # noqa: A001 (mirrors nx.sum)
-max = _reduction(jnp.max)          # noqa: A001
-min = _reduction(jnp.min)          # noqa: A001
+sum = _reduction(jnp.sum)  # mirrors nx.sum
+max = _reduction(jnp.max)
+min = _reduction(jnp.min)
 mean = _reduction(jnp.mean)
 prod = _reduction(jnp.prod)
 logsumexp = _reduction(jax.nn.logsumexp)
@@ -184,5 +184,5 @@ def fg(name, inside_grad):
     from tests._megatron import fg_operators
     if inside_grad:
         return fg_operators(psum, name)
-    f = lambda v: lax.stop_gradient(v) + psum(v, name) - lax.stop_gradient(psum(v, name))  # noqa: E731
+    f = lambda v: lax.stop_gradient(v) + psum(v, name) - lax.stop_gradient(psum(v, name))
     return f, lambda v: psum(v, name)

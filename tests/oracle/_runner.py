@@ -213,7 +213,7 @@ class Group:
                                     inside_grad=transform == "grad_inside")
             result = run_transform(transform, fn, _pick(self.data, idx), self.data.key)
             return dict(zip(idx, _per_program(transform, result, len(idx))))
-        except Exception as e:     # noqa: BLE001
+        except Exception as e:  # jitted errors surface on read
             if len(idx) == 1:
                 return {idx[0]: e}
             return {i: r for j in idx for i, r in self._reference(name, transform, [j]).items()}
@@ -282,7 +282,7 @@ def _check_refusal(group, i, placement, counts):
             _count(counts, "refusal", placement, program, group)
             return []
         return [f"{what}: NxopsError without {want!r}: {str(e)[:200]}"]
-    except Exception as e:     # noqa: BLE001 (a raw error is the failure being reported)
+    except Exception as e:  # a raw error is the failure being reported
         return [f"{what}: {type(e).__name__} (want NxopsError): {_short(e)}"]
     return [f"{what}: not refused (want NxopsError matching {want!r})"]
 
@@ -293,7 +293,7 @@ def _check_batch(group, idx, placement, transform, counts):
         got = _per_program(transform, run_transform(
             transform, nx_function(programs, placement, transform == "grad_inside"),
             _pick(group.data, idx), group.data.key), len(idx))
-    except Exception as e:     # noqa: BLE001
+    except Exception as e:
         if len(idx) > 1:       # name the programs that fail
             return [f for i in idx
                     for f in _check_batch(group, [i], placement, transform, counts)]
@@ -314,7 +314,7 @@ def _check_batch(group, idx, placement, transform, counts):
             _count(counts, transform, placement, program, group)
         except AssertionError as e:
             failures.append(_short(e, 600))
-        except Exception as e:     # noqa: BLE001 (jitted errors surface on read)
+        except Exception as e:
             failures.append(f"{what}: reading the result: {type(e).__name__}: {_short(e)}")
     return failures
 
@@ -371,7 +371,7 @@ def main(argv):
     safe = lambda p, t, pl: not any(k.matches(p, t, pl, n, d) for k in crashing)
     try:
         failures = check_placement(group, placement, safe, max_refusals=100)
-    except Exception:     # noqa: BLE001
+    except Exception:
         traceback.print_exc()
         raise
     for f in failures:

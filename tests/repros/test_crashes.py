@@ -47,7 +47,7 @@ def test_pallas_bf16_matmul_in_interpret_mode_matches_xla(spec):
     y = jnp.asarray(rng.standard_normal((17, 8)), jnp.bfloat16)
 
     def value_and_grads(kernels):
-        f = lambda a, b: nx.einsum(spec, a, b).astype(jnp.float32).sum()  # noqa: E731
+        f = lambda a, b: nx.einsum(spec, a, b).astype(jnp.float32).sum()
         with nx.kernels.use(kernels):
             out = jax.jit(lambda a, b: nx.einsum(spec, a, b))(x, y)
             grads = jax.jit(jax.grad(f, (0, 1)))(x, y)
@@ -160,7 +160,7 @@ def test_while_varying_along_another_mesh_axis_than_the_collective_is_allowed():
         trips = nx.axis_index("b") % 2 + 1
         return jax.lax.while_loop(lambda c: c[0] < trips, step, (0, x))[1]
     x = jnp.arange(8.0).reshape(4, 2)
-    f = lambda res: nx.xmap(body, [["a", "b"]], ["a", "b"], axis_resources=res)  # noqa: E731
+    f = lambda res: nx.xmap(body, [["a", "b"]], ["a", "b"], axis_resources=res)
     want = np.asarray(f({})(x))
     with jax.set_mesh(jax.make_mesh((4, 2), ("x", "y"))):
         got = np.asarray(f({"a": "x", "b": "y"})(x))

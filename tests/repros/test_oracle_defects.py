@@ -27,10 +27,10 @@ def test_o01_result_of_per_position_size_0_on_a_mesh_reads(with_data):
     x = jnp.zeros((8, 0), jnp.float32)
     w = jnp.arange(3, dtype=jnp.float32)
     if with_data:
-        body = lambda v, w: (v * 2, v.sum() + w)   # noqa: E731  ((0,) and (3,) per position)
+        body = lambda v, w: (v * 2, v.sum() + w)  # (0,) and (3,) per position
         out_axes = [["a", ...], ["a", ...]]
     else:
-        body = lambda v, w: v   # noqa: E731
+        body = lambda v, w: v
         out_axes = ["a", ...]
     want = jax.vmap(body, in_axes=(0, None), axis_name="a")(x, w)
     f = nx.xmap(body, [["a", ...], [...]], out_axes, axis_resources={"a": "x"})
@@ -57,7 +57,7 @@ def test_o02_ppermute_over_a_size_0_name_on_a_mesh(perm):
         return [(s, d) for s, d in [(0, 1), (1, 2), (5, 3)] if s < n and d < n]
 
     x = jnp.ones((0, 4), jnp.float32)
-    body = lambda v: nx.ppermute(v, "a", pairs(nx.axis_size("a"))) + v   # noqa: E731
+    body = lambda v: nx.ppermute(v, "a", pairs(nx.axis_size("a"))) + v
     want = jax.vmap(lambda v: lax.ppermute(v, "a", pairs(0)) + v, axis_name="a")(x)
     f = nx.xmap(body, [["a", ...]], ["a", ...], axis_resources={"a": "x"})
     with jax.set_mesh(_mesh((8,), ("x",))):
@@ -99,7 +99,7 @@ def test_o04_nested_xmap_on_a_mesh_axis_result_is_a_value(outer):
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.uniform(size=(8, 4)), jnp.float32)
     w = jnp.asarray(rng.uniform(size=(4,)), jnp.float32)
-    loss = lambda f: lambda x, w: jnp.sum(f(x, w) ** 2)   # noqa: E731
+    loss = lambda f: lambda x, w: jnp.sum(f(x, w) ** 2)
     want = _nested_reference(x, w)
     want_grads = jax.grad(loss(_nested_reference), (0, 1))(x, w)
     f = _nested(outer, {"m": "x"}, close_over=False)
@@ -152,7 +152,7 @@ def test_o03_grad_outside_of_a_contraction_over_a_size_0_name_on_a_mesh(wrapper)
                     lambda u, y: u * nx.pdot(u, y, "a", pos_contract=((0,), (0,)))]
     with jax.set_mesh(_mesh((8,), ("x",))):
         for contraction in contractions:
-            body = lambda v, y: _WRAPPERS[wrapper](lambda u: contraction(u, y), v)  # noqa: E731
+            body = lambda v, y: _WRAPPERS[wrapper](lambda u: contraction(u, y), v)
             f = nx.xmap(body, [["a", ...], ["a", ...]], ["a", ...], axis_resources={"a": "x"})
             grad = jax.jit(jax.grad(lambda x: jnp.sum(f(x, y))))(x)
             assert np.asarray(grad).shape == (0, 4)
@@ -198,8 +198,8 @@ def test_o06_grad_of_a_16_bit_replicated_input_on_part_of_a_mesh(dtype):
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.uniform(size=(8, 4)), dtype)
     w = jnp.asarray(rng.uniform(size=(32,)), dtype)
-    body = lambda v, w: v * nx.tile(w, {"a": 0}) + w[:4]   # noqa: E731
-    loss = lambda f: lambda x, w: jnp.sum(f(x, w).astype(jnp.float32))   # noqa: E731
+    body = lambda v, w: v * nx.tile(w, {"a": 0}) + w[:4]
+    loss = lambda f: lambda x, w: jnp.sum(f(x, w).astype(jnp.float32))
     reference = jax.vmap(lambda v, w: v * w.reshape(8, 4)[lax.axis_index("a")] + w[:4],
                          in_axes=(0, None), axis_name="a")
     want = jax.grad(loss(reference), (0, 1))(x, w)
@@ -309,7 +309,7 @@ def _check_grad_outside_and_jvp(body, reference, args, mesh_shape, resources):
     against ``reference`` under jax.vmap(axis_name='a'): values, jax.grad of
     the sum (by the first arg) and jax.jvp."""
     specs = [["a", ...]] * len(args)
-    loss = lambda f: lambda x, *rest: jnp.sum(jnp.sin(f(x, *rest)))   # noqa: E731
+    loss = lambda f: lambda x, *rest: jnp.sum(jnp.sin(f(x, *rest)))
     tangents = tuple(jnp.cos(a) for a in args)
     ref = jax.vmap(reference, axis_name="a")
     want = [ref(*args), jax.grad(loss(ref))(*args), jax.jvp(ref, args, tangents)[1]]
@@ -334,7 +334,7 @@ def test_o09_custom_jvp_around_a_switch_whose_branch_asks_its_position(mesh_shap
         return lambda u: u * prod(u * (index() != 0).astype(u.dtype)) + jnp.sin(u) * index()
 
     def program(index, prod, uniform_one):
-        g = lambda v: lax.switch(uniform_one(), [lambda u: u[::-1], branch(index, prod)], v)   # noqa: E731
+        g = lambda v: lax.switch(uniform_one(), [lambda u: u[::-1], branch(index, prod)], v)
         return g
 
     body = _as_custom_jvp(program(lambda: nx.axis_index("a"), lambda u: nx.prod(u, "a"),
@@ -353,5 +353,5 @@ def test_o08_custom_jvp_around_a_named_einsum_on_mesh_axes(mesh_shape, resources
     x = (jnp.arange(16, dtype=jnp.float32).reshape(8, 2) + 1) / 8
     y = jnp.cos(x)
     body = _as_custom_jvp(lambda x, y: nx.einsum("{a}i,{a}i->i", x, y) + x)
-    reference = lambda x, y: lax.psum(x * y, "a") + x   # noqa: E731
+    reference = lambda x, y: lax.psum(x * y, "a") + x
     _check_grad_outside_and_jvp(body, reference, (x, y), mesh_shape, resources)

@@ -175,7 +175,7 @@ def test_prod_grad_and_hessian_vector_product_with_several_zeros_match_jnp(name,
                     axis_resources=resources)
         got_grad = jax.grad(loss(f))(x)
         got_hvp = jax.jvp(jax.grad(loss(f)), (x,), (t,))[1]   # (jax.hessian on a mesh: r12)
-    ref = lambda v: jnp.prod(v) + jnp.prod(v, 0)  # noqa: E731
+    ref = lambda v: jnp.prod(v) + jnp.prod(v, 0)
     np.testing.assert_allclose(np.asarray(got_grad), jax.grad(loss(ref))(x), rtol=1e-5)
     want_hvp = jax.jvp(jax.grad(loss(ref)), (x,), (t,))[1]
     np.testing.assert_allclose(np.asarray(got_hvp), np.asarray(want_hvp), rtol=1e-5, atol=1e-5)
@@ -189,7 +189,7 @@ def test_prod_grad_over_a_name_and_an_int_matches_jnp(values):
     # positional axis, zeros frequent (several per product).
     x = jnp.asarray(values)
     named = jax.vmap(lambda v: nx.prod(v, ("i", 0)), axis_name="i")
-    positional = lambda v: jnp.prod(v, axis=(0, 1)) * jnp.ones(v.shape[0])   # noqa: E731
+    positional = lambda v: jnp.prod(v, axis=(0, 1)) * jnp.ones(v.shape[0])
     np.testing.assert_allclose(jax.grad(lambda v: jnp.sum(named(v)))(x),
                                jax.grad(lambda v: jnp.sum(positional(v)))(x), rtol=1e-5)
     t = jnp.ones_like(x)

@@ -33,10 +33,10 @@ def _grad(f, argnums=0):
     return jax.grad(_loss(f), argnums=argnums)
 
 
-matmul = lambda a, b: nx.einsum("mk,kn->mn", a, b)  # noqa: E731
-all_gather = lambda v: nx.all_gather(v, "x", axis=0, tiled=True)  # noqa: E731
-reduce_scatter = lambda v: nx.psum_scatter(v, "x", scatter_dimension=0, tiled=True)  # noqa: E731
-tile = lambda v: nx.tile(v, {"x": 0})  # noqa: E731
+matmul = lambda a, b: nx.einsum("mk,kn->mn", a, b)
+all_gather = lambda v: nx.all_gather(v, "x", axis=0, tiled=True)
+reduce_scatter = lambda v: nx.psum_scatter(v, "x", scatter_dimension=0, tiled=True)
+tile = lambda v: nx.tile(v, {"x": 0})
 
 # name: (program, per-chip shapes, the Mosaic kernels it must contain). Shapes
 # are not multiples of the blocks (masked edge blocks), per chip of a 4-chip slice.

@@ -43,7 +43,7 @@ def run_all(mesh, make_input) -> dict[str, np.ndarray]:
     loss = nx.xmap(per_example_loss, (["batch", "inputs"], ["inputs", "hidden"], ["hidden", ...],
                                       ["batch"]), ["batch"],
                    axis_resources={"batch": ("data", nx.SerialLoop(2)), "hidden": "model"})
-    total = lambda w1, w2: jnp.sum(loss(x, w1, w2, labels))  # noqa: E731
+    total = lambda w1, w2: jnp.sum(loss(x, w1, w2, labels))
     results = {"loss": total(w1, w2)}
     results["grad_w1"], results["grad_w2"] = jax.grad(total, argnums=(0, 1))(w1, w2)
 
@@ -70,7 +70,6 @@ def run_all(mesh, make_input) -> dict[str, np.ndarray]:
 def _refusals(mesh) -> dict[str, np.ndarray]:
     """What must fail with an NxopsError across processes (1 = it did)."""
     import jax
-    import jax.numpy as jnp
 
     import nxops as nx
 

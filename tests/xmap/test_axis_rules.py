@@ -23,7 +23,8 @@ PRIORITY_CASES = [
     # None assigns "no resources" and stops later rules for that name
     (("batch",), [("batch", None), ("batch", "data")], {}),
     # a tuple of mesh axes, and a rule whose axes are partly taken is skipped
-    (("batch", "seq"), [("batch", ("data", "model")), ("seq", "model"), ("seq", "data")], {"batch": ("data", "model")}),
+    (("batch", "seq"), [("batch", ("data", "model")), ("seq", "model"), ("seq", "data")],
+     {"batch": ("data", "model")}),
     # names without a rule run without resources; rules for absent names are ignored
     (("a",), [("b", "data")], {}),
     # order of rules, not of names, decides

@@ -221,7 +221,7 @@ def test_raw_collective_over_a_looped_name(raw, nx_op, outside):
     # A looped name's vmap tile is mangled, so a raw collective cannot silently
     # reduce over one chunk only. The nx op is refused on a loop too (issue 27):
     # the error says what does work, which the test then follows.
-    body = lambda x: x * 2  # noqa: E731
+    body = lambda x: x * 2
     f = xmap(lambda x: raw(body(x), "a"), ["a", ...], [...],
              axis_resources={"a": SerialLoop(2)})
     with _raises(rf"jax.lax.{raw.__name__} over 'a'.*mapped to serial loops .*No collective "

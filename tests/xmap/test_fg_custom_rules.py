@@ -64,7 +64,7 @@ def test_fg_gradient_outside_the_xmap_is_the_same_on_every_placement(name, resou
     the size of 's'. JAX itself cannot differentiate the f/g positional program
     from outside (its bwd's lax.psum finds 's' unbound), hence this reference."""
     x, w1, w2, c = _args()
-    loss = lambda f: lambda x, w1, w2: jnp.sum(f(x, w1, w2) * c)  # noqa: E731
+    loss = lambda f: lambda x, w1, w2: jnp.sum(f(x, w1, w2) * c)
     ref = _positional(functools.partial(mlp, lax.psum, False), (None, 0, 0), (0, None, None))
     want = jax.grad(loss(ref), argnums=(0, 1, 2))(x, w1, w2)
     f = _xmap(functools.partial(mlp, nx.psum, True), [["b", ...], ["s", ...], ["s", ...]],
@@ -84,7 +84,7 @@ def test_fg_gradient_inside_the_body_is_the_same_on_every_placement(name, resour
 
     def body(psum):
         def per_position(x, w1, w2, c):
-            loss = lambda x, w1, w2: jnp.sum(mlp(psum, True, x, w1, w2) * c)  # noqa: E731
+            loss = lambda x, w1, w2: jnp.sum(mlp(psum, True, x, w1, w2) * c)
             return jax.grad(loss, argnums=(0, 1, 2))(x, w1, w2)
         return per_position
 
@@ -147,7 +147,7 @@ def test_custom_vjp_differentiated_again_by_other_arguments():
     scale.defvjp(lambda x, w: (scale(x, w), (x, w)), lambda r, ct: (ct * r[1], ct * r[0]))
     f = nx.xmap(lambda x, w: jnp.sum(scale(x, w)), [["a", ...], [...]], ["a"])
     x, w = jnp.arange(12.0).reshape(4, 3), jnp.arange(3.0) + 1
-    loss = lambda x, w: jnp.sum(f(x, w))  # noqa: E731
+    loss = lambda x, w: jnp.sum(f(x, w))
     np.testing.assert_allclose(jax.grad(loss, 0)(x, w), np.broadcast_to(w, (4, 3)))
     np.testing.assert_allclose(jax.grad(loss, 1)(x, w), x.sum(0))
     np.testing.assert_allclose(jax.grad(loss, (0, 1))(x, w)[1], x.sum(0))
@@ -180,7 +180,7 @@ def test_fg_inside_a_sub_jaxpr_differentiates_outside(wrap, name, resources):
     wrappers = {"checkpoint": lambda f: jax.checkpoint(f),
                 "scan": lambda f: lambda *a: lax.scan(lambda _, __: (f(*a), None), f(*a) * 0,
                                                       None, length=1)[0]}
-    loss = lambda f: lambda x, w1, w2: jnp.sum(f(x, w1, w2) * c)  # noqa: E731
+    loss = lambda f: lambda x, w1, w2: jnp.sum(f(x, w1, w2) * c)
     ref = _positional(functools.partial(mlp, lax.psum, False), (None, 0, 0), (0, None, None))
     want = jax.grad(loss(ref), argnums=(0, 1, 2))(x, w1, w2)
     f = _xmap(wrappers[wrap](functools.partial(mlp, nx.psum, True)),

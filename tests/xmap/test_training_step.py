@@ -1,9 +1,10 @@
 """An xmapped training step compiles to the program its hand-written
 ``jax.shard_map`` twin compiles to (issue 21): the same optimized HLO,
 instruction for instruction once names and source locations are left out
-(so the same op counts, layouts and collectives), and the same values and gradients, for data-parallel, model-parallel and mixed
-placements, forward and under ``jax.value_and_grad``. Also: an xmap with no
-resources under a mesh runs on one device, not replicated on every one."""
+(so the same op counts, layouts and collectives), and the same values and
+gradients, for data-parallel, model-parallel and mixed placements, forward
+and under ``jax.value_and_grad``. Also: an xmap with no resources under a
+mesh runs on one device, not replicated on every one."""
 import collections
 import re
 
@@ -146,7 +147,7 @@ def test_compiled_shardings_are_the_named_shardings_jax_jit_gives(placement, axi
     explicit = axis_type == "Explicit"
     mesh = jax.make_mesh((DP, MP), ("dp", "mp"),
                          axis_types=(getattr(jax.sharding.AxisType, axis_type),) * 2)
-    named = lambda *axes: NamedSharding(mesh, _spec(*axes))  # noqa: E731
+    named = lambda *axes: NamedSharding(mesh, _spec(*axes))
     w1, w2, wv, x, y = (np.asarray(a) for a in operands())
     hidden = nx.xmap(lambda w, v: jax.nn.relu(v @ w), (["shard", ...], ["batch", ...]),
                      ["batch", "shard", ...], axis_resources=PLACEMENTS[placement])
@@ -199,7 +200,7 @@ def named_fg_step(w1, w2, wv, x, y):
 
 def fg_shard_map_twin(resources, mesh):
     batch_axis, shard_axis = resources.get("batch"), resources.get("shard")
-    pmean = lambda t: jax.tree.map(lambda v: lax.pmean(v, batch_axis or "batch"), t)  # noqa: E731
+    pmean = lambda t: jax.tree.map(lambda v: lax.pmean(v, batch_axis or "batch"), t)
 
     def local(w1, w2, wv, x, y):
         def step(w1, w2, x, y):
@@ -208,7 +209,7 @@ def fg_shard_map_twin(resources, mesh):
             over_shard = jax.vmap(step, in_axes=(0, 0, None, None),
                                   out_axes=(None, (0, 0, None)), axis_name="shard")
         else:
-            over_shard = lambda w1, w2, x, y: step(w1[0], w2[0], x, y)  # noqa: E731
+            over_shard = lambda w1, w2, x, y: step(w1[0], w2[0], x, y)
         if batch_axis is None:
             loss, (g1, g2, gv) = jax.vmap(over_shard, in_axes=(None, None, 0, 0), out_axes=None,
                                           axis_name="batch")(w1, w2, x, y)

@@ -431,7 +431,7 @@ def test_names_sharing_a_resource_without_cooccurring(resources):
 
 
 def test_names_sharing_a_loop_without_cooccurring():
-    body = lambda u, w: (u * 2, jnp.tanh(w) + 1)   # noqa: E731
+    body = lambda u, w: (u * 2, jnp.tanh(w) + 1)
     u = A[:, 0, :]
     with serial_loop("l", 2):
         out = xmap(body, SEPARATE_IN, SEPARATE_OUT[:2], axis_resources={"a": "l", "b": "l"})(u, W)

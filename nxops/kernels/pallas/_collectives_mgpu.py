@@ -19,10 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from nxops.kernels import _gpu_target
+
 OPT_IN_VARIABLE = "NXOPS_MGPU_COLLECTIVES"
-# Blocks (CTAs) when no CUDA device can be asked for its SM count, i.e. when
-# lowering for cuda on a CPU-only machine: an H100 SXM has 132 SMs.
-DEFAULT_NUM_BLOCKS = 132
 DTYPES = frozenset(map(np.dtype, (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32)))
 
 
@@ -31,10 +30,12 @@ def enabled() -> bool:
 
 
 def _num_blocks() -> int:
+    """A block (CTA) per SM: the device's own count, else (lowering for cuda on
+    a CPU-only machine) that of the GPU being built for."""
     device = jax.devices()[0]
-    if device.platform != "gpu":
-        return DEFAULT_NUM_BLOCKS
-    return getattr(device, "core_count", None) or DEFAULT_NUM_BLOCKS
+    if device.platform == "gpu" and getattr(device, "core_count", None):
+        return device.core_count
+    return _gpu_target.sm_count()
 
 
 def _retype(out, x, *, invariant_over=None):

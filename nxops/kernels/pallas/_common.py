@@ -20,16 +20,16 @@ by :data:`INTERPRET_STYLE` (both styles run interpreted; the tests run both).
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import math
-from typing import Iterator
 
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
+
+from nxops.kernels import _knobs
+from nxops.kernels._layout import next_power_of_2
 
 PLATFORMS = ("cpu", "cuda", "tpu")
 STYLES = ("triton", "mosaic")
@@ -38,13 +38,6 @@ STYLES = ("triton", "mosaic")
 # more in interpret mode: edge blocks are padded with NaN, so a missing mask
 # shows up as a wrong result.
 INTERPRET_STYLE = "mosaic"
-
-# Dtypes the kernels take (accumulation is in f32). f16 has no native TPU path.
-FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-
-# Kernels index elements with int32 (program ids, iotas, offsets).
-MAX_ELEMENTS = 2**31 - 1
 
 
 def cost_estimate(reads=(), writes=(), *, flops: int = 0, transcendentals: int = 0,
@@ -81,12 +74,6 @@ def matmul_cost(a3, b3, out, bm: int, bn: int) -> pl.CostEstimate:
 def copy_cost(shape, dtype) -> pl.CostEstimate:
     """Reads and writes ``shape`` once."""
     return cost_estimate([(shape, dtype)], [(shape, dtype)])
-
-
-def too_large_reasons(*shapes) -> list[str]:
-    """A reason for each array too large for int32 element indices."""
-    return [f"shape {tuple(s)} has more than 2**31 - 1 elements (kernels index with int32)"
-            for s in shapes if math.prod(s) > MAX_ELEMENTS]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,49 +123,23 @@ def call_kwargs(target: Target, *, dimension_semantics: tuple[str, ...] = (),
 # - mosaic: the whole dim if it fits under the cap (always a legal block),
 #   else the cap, which is a multiple of the dim's TPU tiling (8 sublanes or
 #   128 lanes), so the block is legal and edge blocks are masked.
-# Caps come from `DEFAULT_CAPS` and can be shrunk with `block_caps(...)` so
-# that tests exercise many blocks with small arrays.
+# Caps are kernel knobs (``nxops.kernels._knobs``), group ``pallas.<style>``:
+# tests shrink them with ``_knobs.tuned`` to exercise many blocks with small arrays.
 
-DEFAULT_CAPS: dict[str, dict[str, int]] = {
-    # triton: a (rows x cols) register tile of <= 4096 elements per program.
-    "triton": {"rows": 64, "cols": 1024, "tile": 4096,
-               "m": 128, "n": 256, "k": 256},  # matmul: see dot_general.triton_matmul_config
-    # mosaic: ~2 MiB f32 input blocks (double-buffered: well under the
-    # 16 MiB default scoped VMEM). Matmul tiles are chosen per TPU generation
-    # by their traffic (dot_general.mosaic_matmul_tiles) up to these caps;
-    # 512^3 where the chip is not known.
-    "mosaic": {"rows": 256, "cols": 2048, "tile": 512 * 1024,
-               "m": 4096, "n": 4096, "k": 4096},
-}
-
-_CAPS: contextvars.ContextVar[dict[str, dict[str, int]]] = contextvars.ContextVar(
-    "nxops_pallas_block_caps", default=DEFAULT_CAPS)
-
-
-@contextlib.contextmanager
-def block_caps(style: str, **caps: int) -> Iterator[None]:
-    """Overrides block caps of ``style`` within a block (tests use tiny caps;
-    caps that are not multiples of (8, 128) only make sense in interpret mode)."""
-    current = _CAPS.get()
-    if style not in current:
-        raise ValueError(f"block_caps: unknown style {style!r}; styles: {sorted(current)}")
-    unknown = sorted(set(caps) - set(current[style]))
-    if unknown:
-        raise ValueError(f"block_caps({style!r}): unknown caps {unknown}; "
-                         f"valid: {sorted(current[style])}")
-    token = _CAPS.set({**current, style: {**current[style], **caps}})
-    try:
-        yield
-    finally:
-        _CAPS.reset(token)
+# triton: a (rows x cols) register tile of <= 4096 elements per program.
+_knobs.declare("pallas.triton", rows=64, cols=1024, tile=4096,
+               m=128, n=256, k=256)   # matmul: see dot_general.triton_matmul_config
+# mosaic: ~2 MiB f32 input blocks (double-buffered: well under the 16 MiB
+# default scoped VMEM). Matmul tiles are chosen per TPU generation by their
+# traffic (dot_general.mosaic_matmul_tiles) up to these caps; 512^3 where the
+# chip is not known. Caps that are not multiples of (8, 128) only make sense
+# in interpret mode.
+_knobs.declare("pallas.mosaic", rows=256, cols=2048, tile=512 * 1024,
+               m=4096, n=4096, k=4096)
 
 
 def cap(style: str, name: str) -> int:
-    return _CAPS.get()[style][name]
-
-
-def next_power_of_2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+    return _knobs.value(f"pallas.{style}", name)
 
 
 def block_size(style: str, dim: int, cap_name: str, *, minimum: int = 1,
@@ -194,11 +155,4 @@ def block_size(style: str, dim: int, cap_name: str, *, minimum: int = 1,
         block = min(next_power_of_2(dim), next_power_of_2(limit))
         return max(minimum, block if style == "triton" else max(block, min(align, limit)))
     return dim if dim <= limit else limit
-
-
-
-def num_warps_for(elements: int) -> int:
-    """Triton warps for a per-program tile of ``elements`` values: about 16-32
-    values per thread, 1 to 8 warps."""
-    return max(1, min(8, next_power_of_2(elements) // 512))
 

@@ -41,6 +41,7 @@ from jax.interpreters import mlir
 from nxops._jax import config as jax_config
 from nxops._jax import effects as jax_effects
 from nxops._jax import pallas_core
+from nxops.kernels import _layout, _vjp
 from nxops.kernels._registry import Kernel, register
 from nxops.kernels.pallas import _collectives_mgpu, _common
 from nxops.kernels.xla import collectives as xla_collectives
@@ -198,10 +199,11 @@ def all_gather(x: jax.Array, axis_name, *, axis: int, tiled: bool, platform: str
     Differentiable and batchable (see ``_collective``).
     """
     axis_name = _one_axis(axis_name)
-    axis = _normalize_axis(axis, x.ndim if tiled else x.ndim + 1)
+    axis = _layout.normalize_axis(axis, x.ndim if tiled else x.ndim + 1)
     if lax.axis_size(axis_name) == 1:  # nothing to move
         return xla_collectives.all_gather(x, axis_name, axis=axis, tiled=tiled, platform=platform)
-    return _collective(_varying(x, axis_name), "all_gather", axis_name, axis, tiled, platform)
+    return _collective(_varying(x, axis_name), op="all_gather", axis_name=axis_name, dim=axis,
+                       tiled=tiled, platform=platform)
 
 
 def _all_gather_call(x, axis_name: str, axis: int, tiled: bool, platform: str):
@@ -282,14 +284,15 @@ def reduce_scatter(x: jax.Array, axis_name, *, scatter_dimension: int, tiled: bo
     """
     axis_name = _one_axis(axis_name)
     n = lax.axis_size(axis_name)
-    d = _normalize_axis(scatter_dimension, x.ndim)
+    d = _layout.normalize_axis(scatter_dimension, x.ndim)
     if n == 1:  # nothing to move
         return xla_collectives.reduce_scatter(x, axis_name, scatter_dimension=d, tiled=tiled,
                                               platform=platform)
     if x.shape[d] % n or (not tiled and x.shape[d] != n):
         want = f"a multiple of {n}" if tiled else f"equal to {n}"
         raise ValueError(f"reduce_scatter: dimension {d} of {x.shape} must be {want}")
-    return _collective(_varying(x, axis_name), "reduce_scatter", axis_name, d, tiled, platform)
+    return _collective(_varying(x, axis_name), op="reduce_scatter", axis_name=axis_name, dim=d,
+                       tiled=tiled, platform=platform)
 
 
 def _reduce_scatter_call(x, axis_name: str, d: int, tiled: bool, platform: str):
@@ -327,12 +330,11 @@ def _reduce_scatter_call(x, axis_name: str, d: int, tiled: bool, platform: str):
 _CALLS = {"all_gather": _all_gather_call, "reduce_scatter": _reduce_scatter_call}
 
 
-def _reference(op: str, axis_name: str, dim: int, tiled: bool, platform: str):
+def _reference(x, *, op: str, axis_name: str, dim: int, tiled: bool, platform: str):
     if op == "all_gather":
-        return functools.partial(xla_collectives.all_gather, axis_name=axis_name, axis=dim,
-                                 tiled=tiled, platform=platform)
-    return functools.partial(xla_collectives.reduce_scatter, axis_name=axis_name,
-                             scatter_dimension=dim, tiled=tiled, platform=platform)
+        return xla_collectives.all_gather(x, axis_name, axis=dim, tiled=tiled, platform=platform)
+    return xla_collectives.reduce_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled,
+                                          platform=platform)
 
 
 @functools.lru_cache(maxsize=256)
@@ -354,21 +356,11 @@ def _batchable(op: str, axis_name: str, dim: int, tiled: bool, platform: str):
     return call
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
-def _collective(x, op: str, axis_name: str, dim: int, tiled: bool, platform: str):
+def _forward(x, *, op: str, axis_name: str, dim: int, tiled: bool, platform: str):
     return _batchable(op, axis_name, dim, tiled, platform)(x)
 
 
-def _collective_fwd(x, op, axis_name, dim, tiled, platform):
-    return _collective(x, op, axis_name, dim, tiled, platform), x
-
-
-def _collective_bwd(op, axis_name, dim, tiled, platform, x, ct):
-    _, transpose = jax.vjp(_reference(op, axis_name, dim, tiled, platform), x)
-    return transpose(ct)
-
-
-_collective.defvjp(_collective_fwd, _collective_bwd)
+_collective = _vjp.with_vjp(_forward, _vjp.reference_vjp(_reference))
 
 
 # ---------------------------------------------------------------------------
@@ -436,10 +428,7 @@ class InterpretCollectiveEffect(jax_effects.Effect):
 
 
 _INTERPRET_EFFECT = InterpretCollectiveEffect()
-for _allowed in (jax_effects.lowerable_effects, jax_effects.control_flow_allowed_effects,
-                 jax_effects.ordered_effects, jax_effects.shardable_ordered_effects,
-                 jax_effects.remat_allowed_effects):
-    _allowed.add_type(InterpretCollectiveEffect)
+_vjp.allow_kernel_effect(InterpretCollectiveEffect)
 
 
 def _without_vma_check_abstract_eval(x_aval, *, fn, out_aval, kernel_effects):
@@ -477,12 +466,6 @@ def _one_axis(axis_name):
             raise ValueError(f"the Pallas collectives run over one mesh axis, got {axis_name!r}")
         (axis_name,) = axis_name
     return axis_name
-
-
-def _normalize_axis(axis: int, rank: int) -> int:
-    if not -rank <= axis < rank:
-        raise ValueError(f"axis {axis} is out of range for rank {rank}")
-    return axis % rank
 
 
 def _axis_size_or_device_count(axis_name) -> int:

@@ -32,20 +32,17 @@ this same kernel (as JAX's dot_general transpose rule does with XLA's).
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
-from nxops.kernels import _gpu_target, _layout, _tpu_target
+from nxops.kernels import _checks, _gpu_target, _layout, _tpu_target, _vjp
 from nxops.kernels._registry import Kernel, register
 from nxops.kernels.pallas import _common
-from nxops.kernels.xla.dot_general import free_dims
 from nxops.kernels.pallas._common import Target
 
 F32 = jnp.float32
@@ -68,10 +65,11 @@ def _grouped_tile(pid, n_tiles_m: int, n_tiles_n: int):
 
 # (arch, operand bytes, shape class) -> (bm, bn, bk, warps, stages) for
 # shapes whose M and N reach the tile ("large": M, N >= 128; "wide": also
-# N >= 256 and enough 128x256 tiles to fill the GPU). H100 (sm90): 128x256 bf16 tiles in one pass of wgmma m64n256
-# (8 warps = two warpgroups, 3 stages: 144 KiB of its 227 KiB shared memory);
-# f32 runs TF32 wgmma with K blocks of 32. A100 (sm80): mma.sync on 128x128
-# tiles, 3 stages within its 163 KiB. Smaller dims: see triton_matmul_config.
+# N >= 256 and enough 128x256 tiles to fill the GPU). H100 (sm90): 128x256
+# bf16 tiles in one pass of wgmma m64n256 (8 warps = two warpgroups, 3
+# stages: 144 KiB of its 227 KiB shared memory); f32 runs TF32 wgmma with K
+# blocks of 32. A100 (sm80): mma.sync on 128x128 tiles, 3 stages within its
+# 163 KiB. Smaller dims: see triton_matmul_config.
 _TRITON_MATMUL_TABLE = {
     ("sm90", 2, "wide"): (128, 256, 64, 8, 3),
     ("sm90", 2, "large"): (128, 128, 64, 8, 3),
@@ -89,9 +87,6 @@ def _shape_class(n_m: int, n_n: int) -> str:
     return "large" if n_m >= 128 and n_n >= 128 else "small"
 
 
-# SMs per architecture (H100 SXM: 132, A100: 108): a launch with fewer
-# programs leaves SMs idle (bench/static/model.py charges it SMs / CTAs).
-SM_COUNT = {"sm90": 132, "sm80": 108}
 # The smallest tile side (``tl.dot`` takes blocks of at least 16).
 MIN_TILE = 16
 # K block of a narrowed (skinny) tile: up to 256 (a memory-bound program
@@ -122,19 +117,23 @@ def triton_matmul_config(n_m: int, n_n: int, n_k: int, itemsize: int,
         row = (_TRITON_MATMUL_TABLE.get((arch, size, shape_class))
                or _TRITON_MATMUL_TABLE[arch, size, "large"])
     else:
-        pow2 = lambda n, top: min(top, max(16, _common.next_power_of_2(n)))  # noqa: E731
-        bm, bn = pow2(n_m, 128), pow2(n_n, 128)
+        bm, bn = _pow2_side(n_m), _pow2_side(n_n)
         row = (bm, bn, 64 if size == 2 else 32, _warps_for_tile(bm, bn), 3)
     bm, bn, bk, warps, stages = row
     bm = min(bm, _common.cap("triton", "m"))
     bn = min(bn, _common.cap("triton", "n"))
-    narrow = _narrowed(n_m, n_n, bm, bn, n_batch, SM_COUNT.get(arch, SM_COUNT["sm90"]))
+    narrow = _narrowed(n_m, n_n, bm, bn, n_batch, _gpu_target.sm_count(arch))
     if narrow != (bm, bn):
         (bm, bn), warps = narrow, _warps_for_tile(*narrow)
         fits = NARROW_SMEM_BYTES // (stages * (bm + bn) * size)
         bk = max(bk, min(NARROW_BK, 1 << (fits.bit_length() - 1)))
-    bk = min(bk, _common.cap("triton", "k"), max(16, _common.next_power_of_2(n_k)))
+    bk = min(bk, _common.cap("triton", "k"), max(16, _layout.next_power_of_2(n_k)))
     return bm, bn, bk, warps, stages
+
+
+def _pow2_side(n: int) -> int:
+    """A small dim's tile side: its next power of two in [16, 128]."""
+    return min(128, max(16, _layout.next_power_of_2(n)))
 
 
 def _warps_for_tile(bm: int, bn: int) -> int:
@@ -334,7 +333,7 @@ def mosaic_matmul_tiles(n_batch: int, n_m: int, n_n: int, n_k: int, itemsize: in
     caps = {d: _common.cap("mosaic", d) for d in "mnk"}
     if chip is None:
         side = lambda dim, name: dim if dim <= min(caps[name], _GENERIC_TILE) \
-            else min(caps[name], _GENERIC_TILE)  # noqa: E731
+            else min(caps[name], _GENERIC_TILE)
         return side(n_m, "m"), side(n_n, "n"), side(n_k, "k"), None
     budget = chip.vmem_bytes // 2
     best = None
@@ -356,117 +355,20 @@ def mosaic_matmul_tiles(n_batch: int, n_m: int, n_n: int, n_k: int, itemsize: in
 
 
 # ---------------------------------------------------------------------------
-# The wrapper: any dimension_numbers -> batched matmul
+# The wrapper: any dimension_numbers -> batched matmul; the gradient is the
+# transpose of the contraction, computed by the same kernel
 
 
-
-def _transpose_if_needed(x, permutation):
-    permutation = tuple(permutation)
-    return x if permutation == tuple(range(x.ndim)) else jnp.transpose(x, permutation)
-
-
-def canonical_dimension_numbers(dimension_numbers):
-    """``dimension_numbers`` as hashable tuples of ints."""
-    (a_contract, b_contract), (a_batch, b_batch) = dimension_numbers
-    return ((tuple(map(int, a_contract)), tuple(map(int, b_contract))),
-            (tuple(map(int, a_batch)), tuple(map(int, b_batch))))
-
-
-def output_dtype(a, b, dimension_numbers, preferred_element_type):
-    return jax.eval_shape(
-        functools.partial(lax.dot_general, dimension_numbers=dimension_numbers,
-                          preferred_element_type=preferred_element_type),
-        jax.ShapeDtypeStruct(a.shape, a.dtype), jax.ShapeDtypeStruct(b.shape, b.dtype)).dtype
-
-
-def as_batched_matmul(a, b, dimension_numbers, preferred_element_type, matmul) -> jax.Array:
-    """``lax.dot_general(a, b, dimension_numbers)`` computed by ``matmul(a3, b3,
-    out_dtype)`` on ``[B, M, K] x [B, K, N]`` views (shared by the backends)."""
-    (a_contract, b_contract), (a_batch, b_batch) = dimension_numbers
-    a_free = free_dims(a.ndim, a_contract, a_batch)
-    b_free = free_dims(b.ndim, b_contract, b_batch)
-    out_dtype = output_dtype(a, b, dimension_numbers, preferred_element_type)
-    batch_shape = [a.shape[d] for d in a_batch]
-    a_free_shape = [a.shape[d] for d in a_free]
-    b_free_shape = [b.shape[d] for d in b_free]
-    n_batch, n_k = math.prod(batch_shape), math.prod(a.shape[d] for d in a_contract)
-    a3 = _transpose_if_needed(a, [*a_batch, *a_free, *a_contract]).reshape(
-        n_batch, math.prod(a_free_shape), n_k)
-    b3 = _transpose_if_needed(b, [*b_batch, *b_contract, *b_free]).reshape(
-        n_batch, n_k, math.prod(b_free_shape))
-    out = matmul(a3, b3, out_dtype)
-    return out.reshape(*batch_shape, *a_free_shape, *b_free_shape)
-
-
-def dot_general_forward(a, b, dimension_numbers, precision, preferred_element_type,
-                        target: Target) -> jax.Array:
+def dot_general_forward(a, b, *, dimension_numbers, precision, preferred_element_type,
+                        platform: str, style: str | None) -> jax.Array:
     """The kernel path of :func:`dot_general` (no custom VJP)."""
-    return as_batched_matmul(
+    target = _common.target_for(platform, style)
+    return _layout.as_batched_matmul(
         a, b, dimension_numbers, preferred_element_type,
         lambda a3, b3, out_dtype: batched_matmul(a3, b3, out_dtype, precision, target))
 
 
-# ---------------------------------------------------------------------------
-# Gradient: the transpose of a contraction is a contraction (JAX's rule)
-
-
-def _consecutive_ranges(*groups):
-    start = 0
-    for group in groups:
-        yield tuple(range(start, start + len(group)))
-        start += len(group)
-
-
-def _transpose_lhs(g, a_shape_ndim: int, b, dimension_numbers, contract, *, swap_ans: bool):
-    """Cotangent of ``a`` in ``dot_general(a, b)`` (``swap_ans``: of ``b`` in
-    ``dot_general(b, a)`` with swapped dimension numbers)."""
-    (a_contract, b_contract), (a_batch, b_batch) = dimension_numbers
-    a_kept = free_dims(a_shape_ndim, a_contract, a_batch)
-    b_kept = free_dims(b.ndim, b_contract, b_batch)
-    if swap_ans:
-        ans_batch, ans_b, _ = _consecutive_ranges(a_batch, b_kept, a_kept)
-    else:
-        ans_batch, _, ans_b = _consecutive_ranges(a_batch, a_kept, b_kept)
-    dims = ((ans_b, tuple(b_kept)), (ans_batch, tuple(b_batch)))
-    a_contract_in_b_order = [a_contract[i] for i in np.argsort(b_contract)]
-    out_axes = np.argsort([*a_batch, *a_kept, *a_contract_in_b_order])
-    return jnp.transpose(contract(g, b, dims), tuple(int(i) for i in out_axes))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
-def _dot_general(a, b, dimension_numbers, precision, preferred_element_type, platform, style):
-    return dot_general_forward(a, b, dimension_numbers, precision, preferred_element_type,
-                               _common.target_for(platform, style))
-
-
-def _dot_general_fwd(a, b, dimension_numbers, precision, preferred_element_type, platform, style):
-    out = _dot_general(a, b, dimension_numbers, precision, preferred_element_type, platform, style)
-    return out, (a, b)
-
-
-def dot_general_transpose(a, b, g, dimension_numbers, contract):
-    """The cotangents ``(da, db)`` of ``dot_general(a, b)`` for ``g``, each a
-    contraction computed by ``contract(x, y, dims)`` (JAX's transpose rule)."""
-    (a_contract, b_contract), (a_batch, b_batch) = dimension_numbers
-    swapped = ((b_contract, a_contract), (b_batch, a_batch))
-    da = _transpose_lhs(g, a.ndim, b, dimension_numbers, contract, swap_ans=False)
-    db = _transpose_lhs(g, b.ndim, a, swapped, contract, swap_ans=True)
-    return da.astype(a.dtype), db.astype(b.dtype)
-
-
-def _dot_general_bwd(dimension_numbers, precision, preferred_element_type, platform, style,
-                     residuals, g):
-    del preferred_element_type
-    target = _common.target_for(platform, style)
-
-    def contract(x, y, dims):
-        common = jnp.promote_types(x.dtype, y.dtype)
-        return dot_general_forward(x.astype(common), y.astype(common), dims, precision, F32, target)
-
-    return dot_general_transpose(*residuals, g, dimension_numbers, contract)
-
-
-_dot_general.defvjp(_dot_general_fwd, _dot_general_bwd)
+_dot_general = _vjp.with_vjp(dot_general_forward, _vjp.dot_general_vjp(dot_general_forward))
 
 
 def dot_general(a: jax.Array, b: jax.Array, *, dimension_numbers, precision=None,
@@ -485,31 +387,13 @@ def dot_general_in_style(a, b, *, dimension_numbers, precision=None, preferred_e
                          platform: str = "cpu", style: str | None = None) -> jax.Array:
     """:func:`dot_general` with the kernel ``style`` chosen: interpret mode on
     CPU runs either ("triton" or "mosaic"); the tests check both."""
-    return _dot_general(a, b, canonical_dimension_numbers(dimension_numbers), precision,
-                        preferred_element_type, platform, style)
+    return _dot_general(a, b, dimension_numbers=_layout.canonical_dimension_numbers(dimension_numbers),
+                        precision=precision, preferred_element_type=preferred_element_type,
+                        platform=platform, style=style)
 
 
 # ---------------------------------------------------------------------------
 # What the kernel takes
-
-
-def _precision_reasons(precision, platform: str) -> list[str]:
-    if precision is None:
-        return []
-    if isinstance(precision, lax.DotAlgorithmPreset):
-        return [f"precision={precision} (a DotAlgorithmPreset) is not supported by the Pallas "
-                "matmul; pass None or lax.Precision"]
-    pair = precision if isinstance(precision, (tuple, list)) else (precision, precision)
-    try:
-        pair = tuple(lax.Precision(p) if not isinstance(p, lax.Precision) else p for p in pair)
-    except (ValueError, TypeError):
-        return [f"unrecognised precision {precision!r}"]
-    if platform == "tpu":
-        if pair[0] != pair[1]:
-            return [f"per-operand precisions {pair} are not supported by Pallas on TPU"]
-        if pair[0] == lax.Precision.HIGH:
-            return ["precision HIGH (bf16_3x) is not supported by Pallas on TPU; use DEFAULT or HIGHEST"]
-    return []
 
 
 def not_supported_reasons(a, b, *, platform: str, dimension_numbers, precision=None,
@@ -521,17 +405,18 @@ def not_supported_reasons(a, b, *, platform: str, dimension_numbers, precision=N
     if a_dtype != b_dtype:
         reasons.append(f"operands of different dtypes ({a_dtype}, {b_dtype}); the Pallas "
                        "matmul takes one dtype")
-    if a_dtype not in _common.FLOAT_DTYPES:
+    if a_dtype not in _checks.FLOAT_DTYPES:
         reasons.append(f"operand dtype {a_dtype} (the Pallas matmul takes float32/bfloat16/"
                        "float16; integer and float64 contractions use xla)")
     elif platform == "tpu" and a_dtype == jnp.float16:
         reasons.append("float16 has no native TPU support; Pallas TPU matmul takes f32/bf16")
-    if preferred_element_type is not None and jnp.dtype(preferred_element_type) not in _common.FLOAT_DTYPES:
+    if (preferred_element_type is not None
+            and jnp.dtype(preferred_element_type) not in _checks.FLOAT_DTYPES):
         reasons.append(f"preferred_element_type={jnp.dtype(preferred_element_type)} (the kernel "
                        "writes float32/bfloat16/float16)")
     del dimension_numbers
-    return (reasons + _precision_reasons(precision, platform)
-            + _common.too_large_reasons(a.shape, b.shape))
+    return (reasons + _checks.precision_reasons(precision, platform)
+            + _checks.too_large_reasons(a.shape, b.shape))
 
 
 KERNEL = register(Kernel(

@@ -11,8 +11,8 @@ exactly once:
 - *column* reduction (``inner > 1``): ``[outer, reduced, inner] -> [outer, inner]``.
 
 The Triton-style (GPU) kernels follow ``_layout.rows_plan`` /
-``columns_plan``, as the Triton backend does (issue 25: one pass at the
-bandwidth floor): a tile of 16 bytes a thread (128-bit loads), ``unroll``
+``columns_plan``, as the Triton backend does (one pass at the bandwidth
+floor): a tile of 16 bytes a thread (128-bit loads), ``unroll``
 tiles loaded a loop step before any is used and folded elementwise into f32
 per-lane accumulators (no cross-thread work in the loop), the lanes reduced
 once at the end. When the kept dims give too few programs to fill a GPU
@@ -48,9 +48,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
+from nxops.kernels import _checks, _layout, _vjp
 from nxops.kernels._registry import Kernel, register
-from nxops.kernels import _layout
-from nxops.kernels._layout import canonical_view
 from nxops.kernels.pallas import _common
 from nxops.kernels.pallas._common import Target
 from nxops.kernels.xla import reduce as xla_reduce
@@ -405,47 +404,17 @@ def _column_reduce(x3, op: str, target: Target) -> jax.Array:
 # The wrapper: canonical view, then the row or column kernel
 
 
-def _normalize_axes(axes, ndim: int) -> tuple[int, ...]:
-    return tuple(sorted(a % ndim if ndim else a for a in axes))
-
-
-def reduce_forward(x: jax.Array, axes: tuple[int, ...], op: str, target: Target) -> jax.Array:
+def reduce_forward(x: jax.Array, *, axes: tuple[int, ...], op: str, platform: str,
+                   style: str | None) -> jax.Array:
     """The kernel path of :func:`reduce` (no custom VJP)."""
-    axes = _normalize_axes(axes, x.ndim)
     if x.size == 0:   # nothing to launch: the reference's -inf, 0, or error
         return xla_reduce.reduce(x, axes=axes, op=op)
-    out_shape = tuple(n for d, n in enumerate(x.shape) if d not in axes)
-    permutation, (n_outer, n_reduced, n_inner) = canonical_view(x.shape, axes)
-    if permutation is not None:
-        x = jnp.transpose(x, permutation)
-    if n_inner == 1:
-        out = _row_reduce(x.reshape(n_outer, n_reduced), op, target)
-    else:
-        out = _column_reduce(x.reshape(n_outer, n_reduced, n_inner), op, target)
-    return out.reshape(out_shape)
+    target = _common.target_for(platform, style)
+    return _layout.reduce_via_view(x, axes, lambda x2: _row_reduce(x2, op, target),
+                                   lambda x3: _column_reduce(x3, op, target))
 
 
-# ---------------------------------------------------------------------------
-# Public kernel with the reference's gradient
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _reduce(x, axes, op, platform, style):
-    return reduce_forward(x, axes, op, _common.target_for(platform, style))
-
-
-def _reduce_fwd(x, axes, op, platform, style):
-    out = _reduce(x, axes, op, platform, style)
-    return out, (x, out)
-
-
-def _reduce_bwd(axes, op, platform, style, residuals, g):
-    del platform, style
-    x, out = residuals
-    return (xla_reduce.reduce_vjp(x, out, g, axes=axes, op=op),)
-
-
-_reduce.defvjp(_reduce_fwd, _reduce_bwd)
+_reduce = _vjp.with_vjp(reduce_forward, _vjp.reduce_vjp)
 
 
 def reduce(x: jax.Array, *, axes: tuple[int, ...], op: str, platform: str = "cpu") -> jax.Array:
@@ -463,7 +432,8 @@ def reduce_in_style(x: jax.Array, *, axes: tuple[int, ...], op: str, platform: s
     runs either ("triton" or "mosaic"); the tests check both."""
     if op not in xla_reduce.REDUCE_OPS:
         raise ValueError(f"unknown reduction {op!r}; known: {xla_reduce.REDUCE_OPS}")
-    return _reduce(x, tuple(axes), op, platform, style)
+    return _reduce(x, axes=_layout.normalize_axes(axes, x.ndim), op=op, platform=platform,
+                   style=style)
 
 
 def not_supported_reasons(x, *, platform: str, axes, op: str, **params) -> list[str]:
@@ -471,7 +441,7 @@ def not_supported_reasons(x, *, platform: str, axes, op: str, **params) -> list[
     del params
     reasons = []
     dtype = jnp.dtype(x.dtype)
-    if dtype not in _common.FLOAT_DTYPES:
+    if dtype not in _checks.FLOAT_DTYPES:
         reasons.append(f"Pallas reductions take float32/bfloat16/float16 inputs, not {dtype} "
                        "(integer and float64 reductions use xla)")
     elif platform == "tpu" and dtype == jnp.float16:
@@ -479,7 +449,7 @@ def not_supported_reasons(x, *, platform: str, axes, op: str, **params) -> list[
     if op not in xla_reduce.REDUCE_OPS:
         reasons.append(f"unknown reduction {op!r}")
     del axes
-    return reasons + _common.too_large_reasons(x.shape)
+    return reasons + _checks.too_large_reasons(x.shape)
 
 
 KERNEL = register(Kernel(

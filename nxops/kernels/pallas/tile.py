@@ -26,7 +26,6 @@ the reference's. Any dtype that the platform can copy is supported.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -35,10 +34,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
+from nxops.kernels import _checks, _layout, _vjp
 from nxops.kernels._registry import Kernel, register
 from nxops.kernels.pallas import _common
 from nxops.kernels.pallas._common import Target
-from nxops.kernels.xla import tile as xla_tile
 
 
 def _copy_kernel_mosaic(index_ref, x_ref, o_ref):
@@ -81,7 +80,7 @@ def _copy_kernel_triton(index_ref, x_ref, o_ref, *, bo: int, bl: int):
     o, l = pl.program_id(0), pl.program_id(1)
     # Clamped here, not by the wrapper: an XLA clamp would be a one-thread
     # kernel launched before this one.
-    index = xla_tile.clamp_index(index_ref[0], count)
+    index = _layout.clamp_index(index_ref[0], count)
     rows = o * bo + lax.broadcasted_iota(jnp.int32, (bo, bl), 0)
     cols = l * bl + lax.broadcasted_iota(jnp.int32, (bo, bl), 1)
     mask = (rows < n_outer) & (cols < tile_len)
@@ -100,40 +99,24 @@ def _tile_triton(x3, index, target: Target) -> jax.Array:
         grid=(pl.cdiv(n_outer, bo), pl.cdiv(tile_len, bl)),
         name="nxops_tile",
         cost_estimate=_common.copy_cost((x3.shape[0], x3.shape[2]), x3.dtype),
-        **_common.call_kwargs(target, num_warps=_common.num_warps_for(bo * bl)),
+        **_common.call_kwargs(target, num_warps=_layout.num_warps_for(bo * bl)),
     )(index.reshape(1), x3)
 
 
-def tile_forward(x, index, dim: int, count: int, target: Target) -> jax.Array:
+def tile_forward(x, index, *, dim: int, count: int, platform: str, style: str | None
+                 ) -> jax.Array:
     """The kernel path of :func:`tile` (no custom VJP)."""
-    dim = dim % x.ndim
-    size = x.shape[dim] // count
-    out_shape = x.shape[:dim] + (size,) + x.shape[dim + 1:]
-    x3 = x.reshape(math.prod(x.shape[:dim]), count, size * math.prod(x.shape[dim + 1:]))
+    target = _common.target_for(platform, style)
+    x3, out_shape = _layout.tile_view(x, dim, count)
     if target.style == "triton":   # the kernel clamps the index itself
         tiled = _tile_triton(x3, jnp.asarray(index, jnp.int32), target)
     else:
-        tiled = _tile_mosaic(x3, xla_tile.effective_index(index, count), target,
+        tiled = _tile_mosaic(x3, _layout.effective_index(index, count), target,
                              x.shape[-1] if dim < x.ndim - 1 else None)
     return tiled.reshape(out_shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _tile(x, index, dim, count, platform, style):
-    return tile_forward(x, index, dim, count, _common.target_for(platform, style))
-
-
-def _tile_fwd(x, index, dim, count, platform, style):
-    return _tile(x, index, dim, count, platform, style), (x.shape, index)
-
-
-def _tile_bwd(dim, count, platform, style, residuals, g):
-    del platform, style
-    shape, index = residuals
-    return xla_tile.tile_vjp(shape, index, g, dim=dim, count=count), None
-
-
-_tile.defvjp(_tile_fwd, _tile_bwd)
+_tile = _vjp.with_vjp(tile_forward, _vjp.tile_vjp)
 
 
 def tile(x: jax.Array, index: jax.Array, *, dim: int, count: int, platform: str = "cpu") -> jax.Array:
@@ -146,16 +129,16 @@ def tile_in_style(x, index, *, dim: int, count: int, platform: str = "cpu",
                   style: str | None = None) -> jax.Array:
     """:func:`tile` with the kernel ``style`` chosen (interpret mode on CPU runs
     either; the tests check both)."""
-    return _tile(x, index, dim, count, platform, style)
+    return _tile(x, index, dim=dim % x.ndim, count=count, platform=platform, style=style)
 
 
 def not_supported_reasons(x, index, *, platform: str, dim: int, count: int, **params) -> list[str]:
     """Why the Pallas tile cannot take this case (empty: it can)."""
     del index, params
-    reasons = xla_tile.tile_reasons(x, dim, count, "the Pallas tile")
+    reasons = _checks.tile_reasons(x, dim, count, "the Pallas tile")
     if platform == "tpu" and jnp.dtype(x.dtype) == jnp.float16:
         reasons.append("float16 has no native TPU support")
-    return reasons + _common.too_large_reasons(x.shape)
+    return reasons + _checks.too_large_reasons(x.shape)
 
 
 KERNEL = register(Kernel(

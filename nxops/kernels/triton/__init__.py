@@ -6,15 +6,9 @@ the reason they cannot run: ``explain`` and an explicit ``NXOPS_KERNELS=triton``
 then say what to install instead of "none is registered". With versions that
 do not work together (``_versions``), the kernels cannot run on cuda and say
 which versions and the pip command that fixes them."""
-import os
-
-# Triton 3.9 warns that its FP-fusion default flips in 3.10; these kernels are
-# written and checked with fusion on (a user's own setting wins).
-os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-
-from nxops.kernels.triton import _versions  # noqa: E402
-from nxops.kernels.triton._common import PLATFORMS, missing_packages  # noqa: E402
-from nxops.kernels._registry import register_load_check  # noqa: E402
+from nxops.kernels._registry import register_load_check
+from nxops.kernels.triton import _versions
+from nxops.kernels.triton._common import PLATFORMS, missing_packages
 
 # Before anything imports jax-triton: lets jax-triton 0.4 load with triton 3.6.
 _versions.provide_tma_tf32()

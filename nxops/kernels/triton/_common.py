@@ -1,17 +1,27 @@
-"""Shared pieces of the Triton kernels: platforms, sizes, dtype checks."""
+"""Shared pieces of the Triton kernels: platforms, registration, dtype and
+package checks."""
 from __future__ import annotations
+
+import functools
+import importlib.util
 
 import jax.numpy as jnp
 
-import functools
-
 from nxops._install import install_command
-from nxops.kernels._layout import cdiv  # noqa: F401  (re-exported)
-from nxops.kernels.pallas._common import (  # noqa: F401  (re-exported)
-    FLOAT_DTYPES, next_power_of_2, num_warps_for, too_large_reasons)
+from nxops.kernels._checks import FLOAT_DTYPES
+from nxops.kernels._registry import Kernel, register
 
 # cuda: compiled through jax-triton; cpu: Triton's interpreter (for tests).
 PLATFORMS = ("cpu", "cuda")
+
+
+def register_kernel(op: str, fn, not_supported_reasons, *, description: str) -> Kernel:
+    """Registers the Triton kernel of ``op``."""
+    return register(Kernel(
+        op=op, backend="triton", platforms=PLATFORMS, fn=fn,
+        not_supported_reasons=not_supported_reasons,
+        # The interpreter runs in a pure_callback, which XLA cannot partition.
+        manual_only_platforms=("cpu",), description=description))
 
 
 def float_dtype_reasons(what: str, *dtypes) -> list[str]:
@@ -23,7 +33,6 @@ def float_dtype_reasons(what: str, *dtypes) -> list[str]:
 
 @functools.cache   # asked on every lowering; installs do not change in a process
 def _importable(module: str) -> bool:
-    import importlib.util  # noqa: PLC0415
     return importlib.util.find_spec(module) is not None
 
 

@@ -28,13 +28,20 @@ from nxops.kernels.triton import _interpreter
 
 _OUT_KEYWORD = "out_shape"   # jax-triton 0.3; 0.4 names it out_type (out_shape deprecated)
 
+# The kernels are written and checked with floating-point fusion (FMA) on.
+# Passed with every launch: Triton's process-wide default
+# (TRITON_DEFAULT_FP_FUSION) flips in 3.10, and 3.9 warns about it wherever
+# a launch leaves the choice to it. The interpreter computes each operation
+# in NumPy, unfused, and takes the option only to ignore it.
+FP_FUSION = True
+
 
 @functools.cache
 def _jax_triton():
     """jax-triton, imported on first cuda launch and made to work with this JAX."""
     global _OUT_KEYWORD
-    import jax_triton  # noqa: PLC0415  (only the cuda path needs it)
-    from jax_triton import triton_lib  # noqa: PLC0415
+    import jax_triton  # only the cuda path needs it
+    from jax_triton import triton_lib
 
     if "out_type" in inspect.signature(jax_triton.triton_call).parameters:
         _OUT_KEYWORD = "out_type"
@@ -107,7 +114,8 @@ def launch(kernel, *args: Any, out_shape: Sequence[jax.ShapeDtypeStruct], grid: 
         outs = jax_triton.triton_call(
             *args, kernel=kernel, **{_OUT_KEYWORD: out_shape}, grid=tuple(grid), name=name,
             num_warps=num_warps, num_stages=num_stages,
-            compute_capability=target.compute_capability, **constexprs)
+            compute_capability=target.compute_capability, enable_fp_fusion=FP_FUSION,
+            **constexprs)
         return list(outs)
     arrays = [a for a in args if isinstance(a, jax.Array) or hasattr(a, "aval")]
     positions = [i for i, a in enumerate(args) if isinstance(a, jax.Array) or hasattr(a, "aval")]
@@ -116,6 +124,7 @@ def launch(kernel, *args: Any, out_shape: Sequence[jax.ShapeDtypeStruct], grid: 
         full = list(args)
         for i, array in zip(positions, host_arrays):
             full[i] = np.asarray(array)
-        return _interpreter.run(kernel, grid, full, out_shape, constexprs)
+        return _interpreter.run(kernel, grid, full, out_shape,
+                                {**constexprs, "enable_fp_fusion": FP_FUSION})
 
     return list(jax.pure_callback(on_host, out_shape, *arrays))

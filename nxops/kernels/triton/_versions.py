@@ -102,7 +102,7 @@ def provide_tma_tf32() -> None:
     if "jax_triton.triton_lib" in sys.modules:
         return   # too late: `problem` reports it
     try:
-        from triton.backends.nvidia import driver  # noqa: PLC0415
+        from triton.backends.nvidia import driver
     except ImportError:
         return
     if not hasattr(driver, "TMA_TF32"):

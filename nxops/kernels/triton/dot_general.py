@@ -3,7 +3,7 @@
 Reference: :func:`nxops.kernels.xla.dot_general.dot_general`.
 
 The wrapper views the operands as ``[B, M, K] x [B, K, N]`` (shared with the
-Pallas kernel: ``pallas.dot_general.as_batched_matmul``). Program ``(t, b, s)``
+Pallas kernel: ``_layout.as_batched_matmul``). Program ``(t, b, s)``
 computes output tile ``t`` (in grouped order: :data:`GROUP_M` row tiles per
 column sweep, so a column of B tiles stays in L2) of batch ``b`` over K-split
 ``s``, accumulating ``tl.dot`` in f32. Its block shape, warps and pipeline
@@ -20,7 +20,6 @@ transpose contractions, computed by this kernel.
 """
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
@@ -29,19 +28,19 @@ import triton
 import triton.language as tl
 from jax import lax
 
-from nxops.kernels import _layout
-from nxops.kernels._registry import Kernel, register
-from nxops.kernels.pallas import dot_general as pallas_dot
-from nxops.kernels.pallas.dot_general import _precision_reasons, canonical_dimension_numbers
+from nxops.kernels import _checks, _knobs, _layout, _vjp
+from nxops.kernels._layout import cdiv
 from nxops.kernels.triton import _batching, _common
-from nxops.kernels.triton._common import cdiv
 from nxops.kernels.triton._launch import Target, launch, target_for
 
 F32 = jnp.float32
 GROUP_M = 8
 MAX_BATCH = 65535          # grid axis 1 (CUDA's limit for y)
-TARGET_PROGRAMS = _layout.GPU_TARGET_PROGRAMS
-MIN_K_STEPS_PER_SPLIT = 8
+# Knobs (``nxops.kernels._knobs``; tests shrink them): the programs a launch
+# wants (K is split below them), the K blocks a split keeps at least, and
+# caps on the tile's sides (m, n, k).
+_knobs.declare("triton.dot_general", programs=_layout.GPU_TARGET_PROGRAMS, min_k_steps=8,
+               m=256, n=256, k=256)
 
 
 class Config(NamedTuple):
@@ -70,13 +69,17 @@ def config_for(n_m: int, n_n: int, n_k: int, itemsize: int, arch: str,
     """The configuration of a ``[B, M, K] x [B, K, N]`` matmul on ``arch``
     ("sm90", "sm80"): the table's large tile (256 wide only when that still
     gives half the target programs), shrunk to the next power of two (at least
-    16) along a short dim, with warps for the tile left."""
+    16) along a short dim and to the knobs' caps, with warps for the tile left."""
     large = CONFIGS[(arch, 2 if itemsize <= 2 else 4, "large")]
-    if large.bn > 128 and n_batch * cdiv(n_m, large.bm) * cdiv(n_n, large.bn) < TARGET_PROGRAMS // 2:
+    programs = _knobs.value("triton.dot_general", "programs")
+    if large.bn > 128 and n_batch * cdiv(n_m, large.bm) * cdiv(n_n, large.bn) < programs // 2:
         large = large._replace(bn=128)
-    bm = min(large.bm, max(16, _common.next_power_of_2(n_m)))
-    bn = min(large.bn, max(16, _common.next_power_of_2(n_n)))
-    bk = min(large.bk, max(16, _common.next_power_of_2(n_k)))
+
+    def side(table: int, dim: int, cap: str) -> int:
+        return min(table, _knobs.value("triton.dot_general", cap),
+                   max(16, _layout.next_power_of_2(dim)))
+
+    bm, bn, bk = side(large.bm, n_m, "m"), side(large.bn, n_n, "n"), side(large.bk, n_k, "k")
     if (bm, bn) == (large.bm, large.bn):
         return large._replace(bk=bk)
     warps = 8 if bm * bn >= 128 * 128 else 4 if bm * bn >= 64 * 64 else 2
@@ -85,15 +88,17 @@ def config_for(n_m: int, n_n: int, n_k: int, itemsize: int, arch: str,
 
 def k_splits(tiles: int, n_k: int, bk: int) -> tuple[int, int]:
     """(K per split, splits): split K when ``tiles`` programs are too few for
-    the GPU, keeping at least :data:`MIN_K_STEPS_PER_SPLIT` blocks per split."""
-    splits, per_split = _layout.split_count(tiles, cdiv(n_k, bk), target=TARGET_PROGRAMS,
-                                            min_steps=MIN_K_STEPS_PER_SPLIT)
+    the GPU, keeping at least the ``min_k_steps`` knob's blocks per split."""
+    splits, per_split = _layout.split_count(
+        tiles, cdiv(n_k, bk), target=_knobs.value("triton.dot_general", "programs"),
+        min_steps=_knobs.value("triton.dot_general", "min_k_steps"))
     return per_split * bk, splits
 
 
 @triton.jit
 def _matmul_kernel(a_ptr, b_ptr, o_ptr, n_m: tl.constexpr, n_n: tl.constexpr,
-                   n_k: tl.constexpr, k_per_split: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   n_k: tl.constexpr, k_per_split: tl.constexpr, BM: tl.constexpr,
+                   BN: tl.constexpr, BK: tl.constexpr,
                    GROUP: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr):
     """``o[s, b] = a[b, :, K_s] @ b[b, K_s, :]`` for program (tile, b, s).
 
@@ -174,10 +179,10 @@ def batched_matmul(a3, b3, out_dtype, precision, target: Target) -> jax.Array:
     return out[0] if splits == 1 else jnp.sum(out, axis=0).astype(out_dtype)
 
 
-def dot_general_forward(a, b, dimension_numbers, precision, preferred_element_type,
+def dot_general_forward(a, b, *, dimension_numbers, precision, preferred_element_type,
                         target: Target) -> jax.Array:
     """The kernel path of :func:`dot_general` (no custom rules)."""
-    return pallas_dot.as_batched_matmul(
+    return _layout.as_batched_matmul(
         a, b, dimension_numbers, preferred_element_type,
         lambda a3, b3, out_dtype: _batched_forward(a3, b3, out_dtype, precision, target))
 
@@ -194,30 +199,7 @@ def _batched_forward(a3, b3, out_dtype, precision, target):
         lambda x, y: batched_matmul(x, y, out_dtype, precision, target), folded)(a3, b3)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _dot_general(a, b, dimension_numbers, precision, preferred_element_type, target):
-    return dot_general_forward(a, b, dimension_numbers, precision, preferred_element_type,
-                               target)
-
-
-def _dot_general_fwd(a, b, dimension_numbers, precision, preferred_element_type, target):
-    out = _dot_general(a, b, dimension_numbers, precision, preferred_element_type, target)
-    return out, (a, b)
-
-
-def _dot_general_bwd(dimension_numbers, precision, preferred_element_type, target,
-                     residuals, g):
-    del preferred_element_type
-
-    def contract(x, y, dims):
-        common = jnp.promote_types(x.dtype, y.dtype)
-        return dot_general_forward(x.astype(common), y.astype(common), dims, precision, F32,
-                                   target)
-
-    return pallas_dot.dot_general_transpose(*residuals, g, dimension_numbers, contract)
-
-
-_dot_general.defvjp(_dot_general_fwd, _dot_general_bwd)
+_dot_general = _vjp.with_vjp(dot_general_forward, _vjp.dot_general_vjp(dot_general_forward))
 
 
 def dot_general(a: jax.Array, b: jax.Array, *, dimension_numbers, precision=None,
@@ -227,8 +209,9 @@ def dot_general(a: jax.Array, b: jax.Array, *, dimension_numbers, precision=None
     ``platform``: ``"cuda"`` (jax-triton) or ``"cpu"`` (Triton's interpreter).
     Differentiable (the cotangents use this kernel too) and batchable.
     """
-    return _dot_general(a, b, canonical_dimension_numbers(dimension_numbers), precision,
-                        preferred_element_type, target_for(platform))
+    return _dot_general(a, b, dimension_numbers=_layout.canonical_dimension_numbers(dimension_numbers),
+                        precision=precision, preferred_element_type=preferred_element_type,
+                        target=target_for(platform))
 
 
 def not_supported_reasons(a, b, *, platform: str, dimension_numbers, precision=None,
@@ -241,7 +224,7 @@ def not_supported_reasons(a, b, *, platform: str, dimension_numbers, precision=N
                        f"{jnp.dtype(b.dtype)}); the Triton matmul takes one dtype")
     reasons += _common.float_dtype_reasons("Triton matmuls", a.dtype)
     if (preferred_element_type is not None
-            and jnp.dtype(preferred_element_type) not in _common.FLOAT_DTYPES):
+            and jnp.dtype(preferred_element_type) not in _checks.FLOAT_DTYPES):
         reasons.append(f"preferred_element_type={jnp.dtype(preferred_element_type)} (the "
                        "kernel writes float32/bfloat16/float16)")
     (_, _), (a_batch, _) = dimension_numbers
@@ -250,15 +233,11 @@ def not_supported_reasons(a, b, *, platform: str, dimension_numbers, precision=N
         n_batch *= a.shape[d]
     if n_batch > MAX_BATCH:
         reasons.append(f"{n_batch} batch elements (the kernel's grid takes up to {MAX_BATCH})")
-    return (reasons + _precision_reasons(precision, platform)
-            + _common.too_large_reasons(a.shape, b.shape))
+    return (reasons + _checks.precision_reasons(precision, platform)
+            + _checks.too_large_reasons(a.shape, b.shape))
 
 
-KERNEL = register(Kernel(
-    op="dot_general", backend="triton", platforms=_common.PLATFORMS, fn=dot_general,
-    not_supported_reasons=not_supported_reasons,
-    # The interpreter runs in a pure_callback, which XLA cannot partition.
-    manual_only_platforms=("cpu",),
+KERNEL = _common.register_kernel(
+    "dot_general", dot_general, not_supported_reasons,
     description="Triton batched matmul: per-arch tiles, grouped order, split-K "
-                "(jax-triton on GPU, Triton's interpreter on CPU)",
-))
+                "(jax-triton on GPU, Triton's interpreter on CPU)")

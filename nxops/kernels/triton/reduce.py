@@ -10,7 +10,7 @@ kernel does: no data moves when the reduced axes are contiguous), then
 - *columns* (``inner > 1``): program ``(o, k, p)`` reduces ``BI`` columns of
   slab ``o`` over piece ``p``.
 
-One pass at the bandwidth floor (issue 25): each loop step loads ``UNROLL``
+One pass at the bandwidth floor: each loop step loads ``UNROLL``
 tiles of ``[BO, BR]`` / ``[BR, BI]`` as one ``[UNROLL, ...]`` block, 16
 bytes per thread per tile (128-bit loads: sizes are constexprs, so Triton
 knows the alignment), all issued before any is used. Each program keeps an
@@ -19,8 +19,8 @@ in the same thread, so folding them into the lanes is thread-local and the
 lanes are reduced across threads once, at the end. logsumexp keeps a per-lane
 running max and a sum of ``exp(x - max)``, rescaled once a step (not once an
 element), so that an element costs a max, a subtract, an ``exp`` and an add.
-When the programs would not fill the GPU (fewer than :data:`TARGET_PROGRAMS`,
-several CTAs per SM), the reduced axis is cut into pieces, each program
+When the programs would not fill the GPU (fewer than the ``reduce_programs``
+knob, several CTAs per SM), the reduced axis is cut into pieces, each program
 writes an f32 partial result, and a second launch reduces the partials
 (logsumexp of partial logsumexps is the logsumexp). No atomics: results are
 deterministic. Kernel parameters follow jax-triton's order: inputs and
@@ -33,7 +33,6 @@ inputs take the reference. Gradient: the reference's (``xla.reduce.reduce_vjp``)
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -41,9 +40,7 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from nxops.kernels._registry import Kernel, register
-from nxops.kernels import _layout
-from nxops.kernels._layout import canonical_view
+from nxops.kernels import _checks, _knobs, _layout, _vjp
 from nxops.kernels.triton import _batching, _common
 from nxops.kernels.triton._launch import Target, launch, target_for
 from nxops.kernels.xla import reduce as xla_reduce
@@ -51,19 +48,18 @@ from nxops.kernels.xla import reduce as xla_reduce
 OPS = {"sum": 0, "max": 1, "min": 2, "prod": 3, "logsumexp": 4}
 IDENTITY = {"sum": 0.0, "max": -math.inf, "min": math.inf, "prod": 1.0, "logsumexp": -math.inf}
 
-# Programs a launch wants: several CTAs per SM, so that enough loads are in
-# flight to cover HBM latency (two CTAs of 128 threads per SM, at 64 bytes
-# in flight per thread, keep only a third of an H100's bandwidth busy).
-TARGET_PROGRAMS = _layout.GPU_FILL_PROGRAMS
-SM_COUNT = _layout.GPU_SM_COUNT
-# A program's tile: 16 bytes per thread (one 128-bit load) per unrolled step;
-# at most this many elements (tests shrink it).
-MAX_BLOCK = 4096
-MAX_REDUCED_BLOCK = 1024
+# Knobs (``nxops.kernels._knobs``; tests shrink them):
+# - programs: the programs a launch wants: several CTAs per SM, so that
+#   enough loads are in flight to cover HBM latency (two CTAs of 128 threads
+#   per SM, at 64 bytes in flight per thread, keep only a third of an H100's
+#   bandwidth busy);
+# - tile / cols: a program's tile, 16 bytes per thread (one 128-bit load) per
+#   unrolled step, at most this many elements / columns;
+# - min_steps: a piece of a split reduced axis spans at least this many steps.
+_knobs.declare("triton.reduce", programs=_layout.GPU_FILL_PROGRAMS, tile=4096, cols=1024,
+               min_steps=4)
 # Tiles loaded per loop step before any is used: loads in flight per thread.
 UNROLL = 4
-# A piece of a split reduced axis spans at least this many steps.
-MIN_STEPS_PER_PIECE = 4
 NUM_WARPS = 4
 
 
@@ -211,10 +207,12 @@ def _columns_kernel(x_ptr, o_ptr, n_reduced: tl.constexpr, n_inner: tl.constexpr
 
 
 def knobs() -> _layout.ReduceKnobs:
-    """This module's limits (module constants: the tests shrink them)."""
-    return _layout.ReduceKnobs(tile=MAX_BLOCK, max_reduced_block=MAX_REDUCED_BLOCK,
-                               target_programs=TARGET_PROGRAMS, min_steps=MIN_STEPS_PER_PIECE,
-                               unroll=UNROLL, warps=NUM_WARPS, sm_count=SM_COUNT)
+    """The plan's limits: the knobs in force."""
+    def knob(name):
+        return _knobs.value("triton.reduce", name)
+    return _layout.ReduceKnobs(tile=knob("tile"), max_reduced_block=knob("cols"),
+                               target_programs=knob("programs"), min_steps=knob("min_steps"),
+                               unroll=UNROLL, warps=NUM_WARPS, sm_count=_layout.GPU_SM_COUNT)
 
 
 def rows_plan(n_rows: int, n_cols: int, dtype, *, split: bool = True) -> _layout.ReducePlan:
@@ -261,49 +259,26 @@ def _columns(x3, op: str, target: Target, out_dtype, *, split: bool = True) -> j
     return _columns(out, op, target, out_dtype, split=False)
 
 
-def reduce_forward(x: jax.Array, axes: tuple[int, ...], op: str, target: Target) -> jax.Array:
+def reduce_forward(x: jax.Array, *, axes: tuple[int, ...], op: str, target: Target) -> jax.Array:
     """The kernel path of :func:`reduce` (no custom rules)."""
     if x.size == 0:   # nothing to launch: the reference's -inf, 0, or error
         return xla_reduce.reduce(x, axes=axes, op=op)
-    out_shape = tuple(n for d, n in enumerate(x.shape) if d not in axes)
-    permutation, (n_outer, n_reduced, n_inner) = canonical_view(x.shape, axes)
-    if permutation is not None:
-        x = jnp.transpose(x, permutation)
-    if n_inner == 1:
-        out = _rows(x.reshape(n_outer, n_reduced), op, target, x.dtype)
-    else:
-        out = _columns(x.reshape(n_outer, n_reduced, n_inner), op, target, x.dtype)
-    return out.reshape(out_shape)
+    return _layout.reduce_via_view(x, axes, lambda x2: _rows(x2, op, target, x.dtype),
+                                   lambda x3: _columns(x3, op, target, x.dtype))
 
 
 # ---------------------------------------------------------------------------
 # Public kernel: batching (custom_vmap) and the reference's gradient (custom_vjp)
 
 
-def _batched_forward(x, axes, op, target):
+def _batched_forward(x, *, axes, op, target):
     """``reduce_forward`` whose vmap moves the batch dim into the kernel."""
     return _batching.vmappable(
-        lambda v: reduce_forward(v, axes, op, target),
-        lambda v: _batched_forward(v, tuple(a + 1 for a in axes), op, target))(x)
+        lambda v: reduce_forward(v, axes=axes, op=op, target=target),
+        lambda v: _batched_forward(v, axes=tuple(a + 1 for a in axes), op=op, target=target))(x)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _reduce(x, axes, op, target):
-    return _batched_forward(x, axes, op, target)
-
-
-def _reduce_fwd(x, axes, op, target):
-    out = _reduce(x, axes, op, target)
-    return out, (x, out)
-
-
-def _reduce_bwd(axes, op, target, residuals, g):
-    del target
-    x, out = residuals
-    return (xla_reduce.reduce_vjp(x, out, g, axes=axes, op=op),)
-
-
-_reduce.defvjp(_reduce_fwd, _reduce_bwd)
+_reduce = _vjp.with_vjp(_batched_forward, _vjp.reduce_vjp)
 
 
 def reduce(x: jax.Array, *, axes: tuple[int, ...], op: str, platform: str = "cpu") -> jax.Array:
@@ -314,8 +289,7 @@ def reduce(x: jax.Array, *, axes: tuple[int, ...], op: str, platform: str = "cpu
     """
     if op not in OPS:
         raise ValueError(f"unknown reduction {op!r}; known: {tuple(OPS)}")
-    axes = tuple(sorted(a % x.ndim if x.ndim else a for a in axes))
-    return _reduce(x, axes, op, target_for(platform))
+    return _reduce(x, axes=_layout.normalize_axes(axes, x.ndim), op=op, target=target_for(platform))
 
 
 def not_supported_reasons(x, *, platform: str, axes, op: str, **params) -> list[str]:
@@ -325,14 +299,10 @@ def not_supported_reasons(x, *, platform: str, axes, op: str, **params) -> list[
     reasons += _common.float_dtype_reasons("Triton reductions", x.dtype)
     if op not in OPS:
         reasons.append(f"unknown reduction {op!r}")
-    return reasons + _common.too_large_reasons(x.shape)
+    return reasons + _checks.too_large_reasons(x.shape)
 
 
-KERNEL = register(Kernel(
-    op="reduce", backend="triton", platforms=_common.PLATFORMS, fn=reduce,
-    not_supported_reasons=not_supported_reasons,
-    # The interpreter runs in a pure_callback, which XLA cannot partition.
-    manual_only_platforms=("cpu",),
+KERNEL = _common.register_kernel(
+    "reduce", reduce, not_supported_reasons,
     description="Triton row/column reduction, per-lane f32 accumulators, split reduced axis "
-                "(jax-triton on GPU, Triton's interpreter on CPU)",
-))
+                "(jax-triton on GPU, Triton's interpreter on CPU)")

@@ -19,12 +19,6 @@ def dot_general(a: jax.Array, b: jax.Array, *, dimension_numbers, precision=None
                            preferred_element_type=preferred_element_type)
 
 
-def free_dims(ndim: int, contract, batch) -> list[int]:
-    """The dims of an operand that are neither contracted nor batch, in order
-    (they come out after the batch dims, lhs before rhs, as in dot_general)."""
-    return [d for d in range(ndim) if d not in contract and d not in batch]
-
-
 KERNEL = register(Kernel(
     op="dot_general", backend="xla", platforms=PLATFORMS, fn=dot_general,
     description="lax.dot_general (cuBLAS / MXU via XLA)",
