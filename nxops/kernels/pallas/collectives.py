@@ -200,10 +200,7 @@ def all_gather(x: jax.Array, axis_name, *, axis: int, tiled: bool, platform: str
     """
     axis_name = _one_axis(axis_name)
     axis = _layout.normalize_axis(axis, x.ndim if tiled else x.ndim + 1)
-    if lax.axis_size(axis_name) == 1:  # nothing to move
-        return xla_collectives.all_gather(x, axis_name, axis=axis, tiled=tiled, platform=platform)
-    return _collective(_varying(x, axis_name), op="all_gather", axis_name=axis_name, dim=axis,
-                       tiled=tiled, platform=platform)
+    return _run(x, op="all_gather", axis_name=axis_name, dim=axis, tiled=tiled, platform=platform)
 
 
 def _all_gather_call(x, axis_name: str, axis: int, tiled: bool, platform: str):
@@ -285,14 +282,10 @@ def reduce_scatter(x: jax.Array, axis_name, *, scatter_dimension: int, tiled: bo
     axis_name = _one_axis(axis_name)
     n = lax.axis_size(axis_name)
     d = _layout.normalize_axis(scatter_dimension, x.ndim)
-    if n == 1:  # nothing to move
-        return xla_collectives.reduce_scatter(x, axis_name, scatter_dimension=d, tiled=tiled,
-                                              platform=platform)
-    if x.shape[d] % n or (not tiled and x.shape[d] != n):
+    if n > 1 and (x.shape[d] % n or (not tiled and x.shape[d] != n)):
         want = f"a multiple of {n}" if tiled else f"equal to {n}"
         raise ValueError(f"reduce_scatter: dimension {d} of {x.shape} must be {want}")
-    return _collective(_varying(x, axis_name), op="reduce_scatter", axis_name=axis_name, dim=d,
-                       tiled=tiled, platform=platform)
+    return _run(x, op="reduce_scatter", axis_name=axis_name, dim=d, tiled=tiled, platform=platform)
 
 
 def _reduce_scatter_call(x, axis_name: str, d: int, tiled: bool, platform: str):
@@ -361,6 +354,14 @@ def _forward(x, *, op: str, axis_name: str, dim: int, tiled: bool, platform: str
 
 
 _collective = _vjp.with_vjp(_forward, _vjp.reference_vjp(_reference))
+
+
+def _run(x, **static):
+    """The ring kernel, differentiable; the reference where the axis has one
+    position (nothing to move)."""
+    if lax.axis_size(static["axis_name"]) == 1:
+        return _reference(x, **static)
+    return _collective(_varying(x, static["axis_name"]), **static)
 
 
 # ---------------------------------------------------------------------------
@@ -518,19 +519,18 @@ def reduce_scatter_not_supported_reasons(x, axis_name=None, *, platform, **param
     return reasons
 
 
-ALL_GATHER = register(Kernel(
-    op="all_gather", backend="pallas", platforms=("cpu", "cuda", "tpu"), fn=all_gather,
-    not_supported_reasons=all_gather_not_supported_reasons,
-    # Ring kernels address devices of manual axes (and interpret mode uses host
-    # callbacks, which XLA cannot partition): every mesh axis must be manual.
-    manual_only_platforms=("cpu", "cuda", "tpu"),
-    description="Pallas TPU ring all-gather, bidirectional where the shard splits "
-                "(remote DMAs; TPU interpret mode on CPU); opt-in Mosaic GPU multimem on cuda",
-))
-REDUCE_SCATTER = register(Kernel(
-    op="reduce_scatter", backend="pallas", platforms=("cpu", "cuda", "tpu"), fn=reduce_scatter,
-    not_supported_reasons=reduce_scatter_not_supported_reasons,
-    manual_only_platforms=("cpu", "cuda", "tpu"),
-    description="Pallas TPU ring reduce-scatter, bidirectional where the chunk splits "
-                "(remote DMAs; TPU interpret mode on CPU); opt-in Mosaic GPU multimem on cuda",
-))
+def _register(op: str, fn, not_supported_reasons, splits: str) -> Kernel:
+    return register(Kernel(
+        op=op, backend="pallas", platforms=_common.PLATFORMS, fn=fn,
+        not_supported_reasons=not_supported_reasons,
+        # Ring kernels address devices of manual axes (and interpret mode uses host
+        # callbacks, which XLA cannot partition): every mesh axis must be manual.
+        manual_only_platforms=_common.PLATFORMS,
+        description=f"Pallas TPU ring {op.replace('_', '-')}, bidirectional where the {splits} "
+                    "splits (remote DMAs; TPU interpret mode on CPU); opt-in Mosaic GPU multimem "
+                    "on cuda"))
+
+
+ALL_GATHER = _register("all_gather", all_gather, all_gather_not_supported_reasons, "shard")
+REDUCE_SCATTER = _register("reduce_scatter", reduce_scatter, reduce_scatter_not_supported_reasons,
+                           "chunk")
