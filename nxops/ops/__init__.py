@@ -1,11 +1,11 @@
 """Named-axis ops (the public ones are re-exported by ``nxops``)."""
-from nxops.ops._collectives import (
-    all_gather, all_to_all, axis_index, axis_size, one_hot, ppermute, psum_scatter, tile, untile,
-)
+from nxops.ops._collectives import all_gather, all_to_all, ppermute, psum_scatter
 from nxops.ops._cross_entropy import cross_entropy
 from nxops.ops._einsum import einsum, pdot
 from nxops.ops._moments import std, var
+from nxops.ops._positions import axis_index, axis_size, one_hot
 from nxops.ops._reduce import logsumexp, max, mean, min, pmax, pmean, pmin, prod, psum, sum
+from nxops.ops._tiling import tile, untile
 
 __all__ = [
     "all_gather", "all_to_all", "axis_index", "axis_size", "cross_entropy", "einsum", "logsumexp", "max",

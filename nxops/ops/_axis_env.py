@@ -28,6 +28,8 @@ from nxops._jax import inside_while_loop as _inside_while_loop
 from nxops._jax import bound_axis_sizes as _bound_axis_sizes
 from nxops._jax import wrap_custom_rules as _wrap_custom_rules
 from nxops._errors import NxopsError
+from nxops._jax import mesh_lib as _mesh
+from nxops import kernels as _kernels
 
 
 class InternalAxisName:
@@ -467,3 +469,52 @@ def check_no_duplicates(names: Sequence, *, op: str, what: str) -> None:
         if name in seen:
             raise NxopsError(f"{op}: {what} {names!r} names axis {name!r} twice; name it once.")
         seen.add(name)
+
+
+# ---------------------------------------------------------------------------
+# Helpers of the ops in every layer
+
+
+def physical_parts(axis_name, op: str, *, allow_loop=False):
+    """``(physical, vmap_names, mesh_names)`` of a user's ``axis_name`` for
+    ``nx.<op>``: every physical axis, and the vmapped and mesh ones when the
+    name is laid out mesh axes first (else both empty: the op then runs
+    JAX's own collective over ``physical``)."""
+    refuse_nested(axis_name, op=f"nx.{op}")
+    names = as_name_tuple(axis_name)
+    for n in names:
+        if isinstance(n, int):
+            raise NxopsError(f"nx.{op}: axis_name {axis_name!r} must name axes, not positions.")
+    physical = resolve(names, op=f"nx.{op}", allow_loop=allow_loop)
+    vmap_names, mesh_names = split_vmap_and_mesh(physical, op=f"nx.{op}")
+    if vmap_names and mesh_names and physical != mesh_names + vmap_names:
+        # Mixed names in minor-mesh order: fall back to JAX's own collective.
+        return physical, (), ()
+    return physical, vmap_names, mesh_names
+
+
+def one_or_tuple(names: tuple):
+    """One name as itself, several as the tuple (how lax takes axis names)."""
+    return names if len(names) > 1 else names[0]
+
+
+def check_not_size_0(name, size: int, op: str) -> None:
+    if size == 0:
+        raise NxopsError(
+            f"nx.{op} over {name!r}, a named axis of size 0: there are no positions to "
+            f"split the value among (a tile of 1/0 of it is undefined). Skip the op when "
+            f"the axis is empty, or give {name!r} a size of at least 1.")
+
+
+def mesh_platform() -> str:
+    """Lowering platform (cpu, cuda, rocm, tpu) of the devices the collective
+    runs on: the one `explain` traces for, else the concrete mesh's devices',
+    else the default devices'."""
+    if _kernels.target_platform() is not None:
+        return _kernels.target_platform()
+    devices = getattr(_mesh.get_concrete_mesh(), "devices", None)
+    first = devices.flat[0] if devices is not None and devices.size else None
+    device = first if isinstance(first, jax.Device) else jax.devices()[0]
+    if device.platform == "gpu":  # JAX names CUDA and ROCm devices "gpu"
+        return "rocm" if "rocm" in device.client.platform_version.lower() else "cuda"
+    return device.platform

@@ -25,8 +25,9 @@ from jax.interpreters import ad, batching
 from nxops._errors import NxopsError
 from nxops._typing import ArrayLike
 from nxops.kernels.xla import cross_entropy as xla_cross_entropy
-from nxops.ops import _axis_env, _fusion
-from nxops.ops._collectives import _along_vmap_names, _mesh_platform
+from nxops.ops import _axis_env, _sum_then_tile
+from nxops.ops._axis_env import mesh_platform as _mesh_platform
+from nxops.ops._named_layout import along_vmap_names as _along_vmap_names
 from nxops.ops._primitive import kernel_primitive, match_varying, selection_param
 
 cross_entropy_p = kernel_primitive("nx_cross_entropy", "cross_entropy",
@@ -175,7 +176,7 @@ def _combine_vocab_shards(stats, mesh_names):
     # The shift cancels in value; its gradient is zero (and pmax has none).
     top = lax.pmax(lax.stop_gradient(lse_local), mesh_names)
     # The psum of the named reductions (its transpose too: the in-body gradient rule).
-    summed = _fusion.mesh_sum(jnp.stack([jnp.exp(lse_local - top), stats[1]]), mesh_names,
+    summed = _sum_then_tile.mesh_sum(jnp.stack([jnp.exp(lse_local - top), stats[1]]), mesh_names,
                               platform=_mesh_platform())
     return top + jnp.log(summed[0]), summed[1]
 
@@ -197,7 +198,7 @@ def _summed_fwd(h, mesh_names):
 
 def _summed_bwd(mesh_names, _, ct):
     count = math.prod(_axis_env.physical_axis_size(n) for n in mesh_names)
-    return (_fusion.mesh_sum(ct, mesh_names, platform=_mesh_platform()) / count,)
+    return (_sum_then_tile.mesh_sum(ct, mesh_names, platform=_mesh_platform()) / count,)
 
 
 _summed_over_vocab_shards.defvjp(_summed_fwd, _summed_bwd)

@@ -19,8 +19,7 @@ from jax.lax import PrecisionLike
 
 from nxops._errors import NxopsError
 from nxops.kernels.xla import collectives as xla_collectives
-from nxops.ops import _axis_env, _fusion
-from nxops.ops._collectives import _mesh_platform
+from nxops.ops import _axis_env, _sum_then_tile
 from nxops.ops._dot import bind_dot_general
 from nxops.ops._einsum_spec import (ELLIPSIS, EinsumSpec, Term, omitted_groups,
                                     parse_einsum_spec, term_text)
@@ -125,7 +124,7 @@ def _sum_unneeded(op: _Operand, needed: set[str], kernels: str) -> _Operand:
     if axes or names:
         value = bind_reduce(value, axes=axes, op="sum", axis_names=names, kernels=kernels)
     if mesh:
-        value = xla_collectives.psum(value, mesh, platform=_mesh_platform())
+        value = xla_collectives.psum(value, mesh, platform=_axis_env.mesh_platform())
     return _Operand(value, [lab for lab in op.labels if lab in needed],
                     tuple(n for n in op.names if n in needed),
                     tuple(m for m in op.mesh if m in needed))
@@ -268,7 +267,7 @@ def einsum(spec: str, *operands: ArrayLike, precision: PrecisionLike = None,
     if value.dtype != out_dtype:   # sums promote small ints and bool; jnp.einsum does not
         value = value.astype(out_dtype)
     if mesh_contracted:
-        value = _fusion.mesh_sum(value, mesh_contracted, platform=_mesh_platform())
+        value = _sum_then_tile.mesh_sum(value, mesh_contracted, platform=_axis_env.mesh_platform())
     return value != 0 if logical else value
 
 
@@ -298,7 +297,7 @@ def pdot(x: ArrayLike, y: ArrayLike, axis_name: AxisNames, *, pos_contract: PosD
     out = bind_dot_general(x, y, dimension_numbers=dims, contract_names=vmap_names,
                            precision=precision, kernels=selection_param())
     if mesh_names:
-        out = _fusion.mesh_sum(out, mesh_names, platform=_mesh_platform())
+        out = _sum_then_tile.mesh_sum(out, mesh_names, platform=_axis_env.mesh_platform())
     return out != 0 if logical else out
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nxops.ops._collectives import named_layout_p
+from nxops.ops._named_layout import named_layout_p
 from nxops.ops._dot import dot_general_p
 from nxops.ops._reduce import reduce_p
 

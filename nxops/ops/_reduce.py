@@ -23,8 +23,10 @@ from jax.interpreters import ad, batching
 from nxops._errors import NxopsError
 from nxops.kernels.xla import reduce as xla_reduce
 from nxops.kernels.xla import collectives as xla_collectives
-from nxops.ops import _axis_env, _fusion
-from nxops.ops._collectives import _along_vmap_names, _mesh_platform, axis_size
+from nxops.ops import _axis_env, _sum_then_tile
+from nxops.ops._axis_env import mesh_platform as _mesh_platform
+from nxops.ops._named_layout import along_vmap_names as _along_vmap_names
+from nxops.ops._positions import axis_size
 from nxops.ops._primitive import kernel_primitive, selection_param
 from nxops._typing import ArrayLike, Axis, AxisNames, PyTree
 
@@ -291,7 +293,7 @@ def _reduce_resolved(x, positional, vmap_names, mesh_names, op: str):
         # (every op; sums of other nx ops: xla_collectives.summed_in_f32_on_cpu).
         return _reduce_resolved(y.astype(jnp.float32), (), (), mesh_names, op).astype(y.dtype)
     if op == "sum":
-        return _fusion.mesh_sum(y, mesh_names, platform=_mesh_platform())
+        return _sum_then_tile.mesh_sum(y, mesh_names, platform=_mesh_platform())
     if op in _MESH_REDUCERS:
         return _MESH_REDUCERS[op](y, mesh_names)
     if op == "logsumexp":

@@ -31,7 +31,7 @@ import jax
 from nxops._errors import NxopsError
 from nxops._jax import bwd_cotangents, custom_rule_wrappers
 from nxops.kernels.xla import collectives as xla_collectives
-from nxops.ops._collectives import _mesh_platform
+from nxops.ops._axis_env import mesh_platform as _mesh_platform
 from nxops.ops._axis_env import CustomCall
 from nxops.xmap._variance import Names, _Analysis, _open
 

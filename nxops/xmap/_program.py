@@ -36,7 +36,7 @@ from nxops._errors import NxopsError
 from nxops.kernels.xla.collectives import CPU_UNSAFE_DTYPES
 from nxops.ops._axis_env import (InternalAxisName, TileAxisName, collect_custom_calls,
                                       loop_step, varies_hint)
-from nxops.ops._collectives import _mesh_platform
+from nxops.ops._axis_env import mesh_platform as _mesh_platform
 from nxops.xmap._custom_rules import trace_with_typed_custom_rules
 from nxops.xmap._plan import Plan, check_shared_resources
 from nxops.xmap._raw_lax import raw_lax_error

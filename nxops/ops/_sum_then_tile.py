@@ -10,7 +10,7 @@ Where it happens:
   with :func:`mesh_sum`, which records the partial value beside the result;
 - the consumer: ``nx.tile`` asks :func:`summed_partial` for the tiled value;
   on an answer it reduce-scatters the partial
-  (``_collectives._tile_as_reduce_scatter``). The psum it no longer uses is
+  (``_tiling._tile_as_reduce_scatter``). The psum it no longer uses is
   dead code, which jit removes.
 
 Why ``id()``: JAX tracers take no attributes and are not hashable, so the
