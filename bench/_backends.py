@@ -39,7 +39,7 @@ def skip_reason(op: str, backend: str, size: str, platform: str, avals=(),
     if backend == "triton" and platform == "cpu":
         return ("the triton kernels run in Triton's interpreter on CPU, one Python loop per "
                 "program (a small max reduction takes ~90 s): timed only on a GPU; "
-                "tests/kernels/test_triton_kernels.py checks their numerics here")
+                "tests/kernels/test_<op>.py checks their numerics here")
     if backend == "pallas" and platform == "cpu" and size not in INTERPRETED_SIZES:
         return f"Pallas runs in interpret mode on CPU: only sizes {INTERPRETED_SIZES} there"
     # The registry's own choice, as the ops make it when they lower.

@@ -17,7 +17,7 @@ import numpy as np
 from bench import _peaks
 from bench._backends import interpreted
 from bench._peaks import Peak
-from nxops.kernels import _tolerances
+from tests import _tolerances
 
 
 @dataclasses.dataclass(frozen=True)

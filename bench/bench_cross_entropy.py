@@ -31,7 +31,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import nxops as nx
-from nxops.kernels._tolerances import assert_close
+from tests._tolerances import assert_close
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """A training step in nx.xmap against the same step written by hand with
-``jax.shard_map`` (issue 21), side by side in one run.
+``jax.shard_map``, side by side in one run.
 
 The step is ``jax.jit(jax.value_and_grad(loss))`` of a Megatron-style block on
 a (dp=2, mp=4) mesh: batch positions on ``dp``, a ``shard`` name on ``mp``,

@@ -1,5 +1,5 @@
 """The cases a GPU run measures, by the names its JSON lines use
-(``../shared/gpu_runs/h200_2026-11-26.jsonl``; ``ci/gpu.sh`` times them all).
+(``bench/gpu_runs/h200_2026-11-26.jsonl``; ``ci/gpu.sh`` times them all).
 
 Section ``kernels``: one nxops op per program, its operand a program argument.
 Section ``programs``: small whole programs around the ops (epilogues, fused
@@ -165,9 +165,10 @@ PROGRAM_NAMES = (
     "mlp_xmap_fwd_bf16", "mlp_xmap_grad_bf16")
 
 
-# --- the fused cross-entropy and the unfused program it replaces (issue 26) ------
-# Forward + backward (value_and_grad by h and w), issue 26's shape; `ci/gpu.sh`'s
-# summary gives fused / unfused, both under the same backend (goal: <= 1.0).
+# --- the fused cross-entropy and the unfused program it replaces -----------------
+# Forward + backward (value_and_grad by h and w) at a language model's head
+# shape; `ci/gpu.sh`'s summary gives fused / unfused, both under the same
+# backend (goal: <= 1.0).
 
 XENT = dict(tokens=8192, hidden=2048, vocab=128256)
 XENT_NAMES = ("xent_fused_grad_bf16", "xent_unfused_grad_bf16")

@@ -183,7 +183,7 @@ def summary(lines: list[dict]) -> str:
 
 def _fused_vs_unfused(lines: list[dict]) -> list[str]:
     """nx.cross_entropy's forward + backward over the unfused program's, per
-    backend both ran under (issue 26: at most 1.0)."""
+    backend both ran under (the goal: at most 1.0)."""
     times = {(l["case"], l["backend"]): l["kern_us"] for l in lines if l["section"] == "cross_entropy"}
     fused, unfused = gpu_cases.XENT_NAMES
     ratios = [f"{b} {times[fused, b] / times[unfused, b]:.2f}" for b in BACKENDS

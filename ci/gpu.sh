@@ -26,8 +26,7 @@ if [ -n "${NXOPS_WHEELS:-}" ]; then
     && export PYTHONPATH="$OUT/.site:$PYTHONPATH"
 fi
 KERNEL_TESTS="tests/kernels/test_triton_versions.py tests/kernels/test_measured_selection.py
-  tests/kernels/test_pallas_reduce.py tests/kernels/test_triton_kernels.py
-  tests/kernels/test_pallas_dot_general.py tests/kernels/test_pallas_tile.py"
+  tests/kernels/test_reduce.py tests/kernels/test_dot_general.py tests/kernels/test_tile.py"
 if [ "$DRY" = 1 ]; then
   export JAX_PLATFORMS=cpu
   LIMIT_A=30 LIMIT_B=60 LIMIT_C=30

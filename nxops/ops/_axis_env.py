@@ -216,7 +216,7 @@ def _with_names_bound_at_call(kind: str) -> list | None:
     nx.xmap body, which run them with the logical names bound where it was
     called. JAX traces ``bwd`` (and a ``jvp`` rule, under an outer grad)
     lazily, when it transposes the program, after xmap's context is gone; a
-    name carried by mesh axes alone would be unbound there (o08). None
+    name carried by mesh axes alone would be unbound there. None
     outside xmap."""
     bound = _LOGICAL_AXES.get()
     if not bound:

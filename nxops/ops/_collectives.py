@@ -147,7 +147,7 @@ def all_to_all(x: ArrayLike, axis_name: AxisNames, split_axis: int, concat_axis:
         # Both the value and (under a grad in the body) its cotangent must vary
         # along the names: JAX's vmap rule of all_to_all gives wrong shapes for
         # one that is the same at every position. The select's transpose makes
-        # the cotangent vary (r10).
+        # the cotangent vary.
         x = _varying_along(x, vmap_names)
         out = lax.all_to_all(x, _axis_env.one_or_tuple(physical), split_axis, concat_axis, tiled=tiled)
         return _varying_along(out, vmap_names)

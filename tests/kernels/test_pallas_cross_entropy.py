@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import nxops as nx
-from nxops.kernels import _tolerances
+from tests import _tolerances
 from nxops.kernels.pallas import cross_entropy as pallas_ce
 from nxops.kernels.xla import cross_entropy as xla_ce
 

@@ -9,7 +9,7 @@ import pytest
 
 import nxops as nx
 from tests.kernels._lowered import CALL_TARGET, kernel_calls, lower_text
-from tests.kernels._tolerances import assert_close
+from tests._tolerances import assert_close
 
 
 def data(*shapes, seed=0):

@@ -20,8 +20,8 @@ from nxops.kernels.pallas import reduce as pallas_reduce
 from nxops.kernels.pallas import tile as pallas_tile
 from nxops.kernels.xla import reduce as xla_reduce
 from tests.kernels._lowered import CALL_TARGET, kernel_calls, lower_text
-from tests.kernels.test_pallas_dot_general import CASES as DOT_CASES
-from tests.kernels.test_pallas_dot_general import FakeTpu, dot_general_problems
+from tests.kernels.test_dot_general import CASES as DOT_CASES
+from tests.kernels.test_dot_general import FakeTpu, dot_general_problems
 
 PLATFORMS = ("cuda", "tpu")
 OPS = xla_reduce.REDUCE_OPS

@@ -1,7 +1,7 @@
 """Helpers shared by the named-op tests."""
 import numpy as np
 
-from nxops.kernels import _tolerances
+from tests import _tolerances
 
 
 def assert_close(actual, expected, dtype=np.float32, scale=1.0):

@@ -1,5 +1,5 @@
-"""The one-pass reductions (issue 25: logsumexp over rows and columns, bf16
-column sums), Pallas and Triton, compiled for an H100 with no GPU and read
+"""The one-pass reductions (logsumexp over rows and columns, bf16 column
+sums), Pallas and Triton, compiled for an H100 with no GPU and read
 from their machine code (SASS: ptxas and nvdisasm from the nvidia wheels):
 every operand load is 128 bits wide, each element is loaded once (the main
 loop loads exactly the bytes a step advances), the loop folds its tiles

@@ -1,6 +1,7 @@
-"""The Pallas tile (``nxops/kernels/pallas/tile.py``) in interpret mode, both
-kernel styles, against the xla reference (``lax.dynamic_slice_in_dim``) and
-NumPy slicing: a copy, so results must match exactly."""
+"""The tile kernels of every backend (``nxops/kernels/{pallas,triton}/tile.py``)
+against the xla reference (``lax.dynamic_slice_in_dim``) and NumPy slicing:
+a copy, so results must match exactly; indices out of range clamp as
+``dynamic_slice`` clamps them."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,11 +9,8 @@ import pytest
 
 from nxops._errors import NxopsError
 from nxops.kernels import _registry
-from nxops.kernels.pallas import tile as pallas_tile
 from nxops.kernels.xla import tile as xla_tile
-from tests.kernels._tolerances import small_blocks
-
-STYLES = ("triton", "mosaic")
+from tests.kernels._reference import backends
 
 # (shape, dim, count): tiles along the first, middle and last dim, a tile
 # length that is a multiple of 128 (dense TPU layout) and one that is not,
@@ -28,45 +26,53 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("backend", backends())
 @pytest.mark.parametrize("shape,dim,count", CASES, ids=[f"{s}-{d}-{c}" for s, d, c in CASES])
-def test_matches_reference_and_numpy(style, shape, dim, count):
+def test_matches_reference_and_numpy(kernels, shape, dim, count):
     x = jnp.asarray(np.random.default_rng(0).standard_normal(shape), jnp.float32)
-    with small_blocks(style):
-        fn = jax.jit(lambda x, i: pallas_tile.tile_in_style(x, i, dim=dim, count=count, style=style))
-        for index in [0, count - 1, count + 3, -1, -count - 2]:  # incl. out of range (clamped)
-            got = fn(x, jnp.int32(index))
-            want = xla_tile.tile(x, jnp.int32(index), dim=dim, count=count)
-            np.testing.assert_array_equal(got, want)
-        size = shape[dim] // count
-        np.testing.assert_array_equal(
-            fn(x, jnp.int32(1 % count)),
-            np.take(np.asarray(x), np.arange(size) + (1 % count) * size, axis=dim))
+    fn = jax.jit(lambda x, i: kernels.tile(x, i, dim=dim, count=count))
+    for index in [0, count - 1, count + 3, -1, -count - 2]:  # incl. out of range (clamped)
+        got = fn(x, jnp.int32(index))
+        np.testing.assert_array_equal(got, xla_tile.tile(x, jnp.int32(index), dim=dim % x.ndim,
+                                                         count=count))
+    size = shape[dim] // count
+    np.testing.assert_array_equal(
+        fn(x, jnp.int32(1 % count)),
+        np.take(np.asarray(x), np.arange(size) + (1 % count) * size, axis=dim))
 
 
-@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("backend", backends())
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.int32])
-def test_dtypes_copy_exactly(style, dtype):
+def test_dtypes_copy_exactly(kernels, dtype):
     x = jnp.asarray(np.arange(3 * 8 * 20).reshape(3, 8, 20) % 97, dtype)
-    with small_blocks(style):
-        got = jax.jit(lambda x, i: pallas_tile.tile_in_style(x, i, dim=1, count=4, style=style))(
-            x, jnp.int32(2))
+    got = jax.jit(lambda x, i: kernels.tile(x, i, dim=1, count=4))(x, jnp.int32(2))
     assert got.dtype == dtype
     np.testing.assert_array_equal(got, x[:, 4:6, :])
 
 
-@pytest.mark.parametrize("style", STYLES)
-def test_gradient_places_the_cotangent_at_the_tile(style):
+@pytest.mark.parametrize("backend", backends())
+def test_gradient_places_the_cotangent_at_the_tile(kernels):
     x = jnp.asarray(np.random.default_rng(1).standard_normal((6, 10, 3)), jnp.float32)
     w = jnp.asarray(np.random.default_rng(2).standard_normal((6, 5, 3)), jnp.float32)
-    with small_blocks(style):
-        got = jax.jit(jax.grad(lambda x, i: jnp.sum(
-            pallas_tile.tile_in_style(x, i, dim=1, count=2, style=style) * w)))(x, jnp.int32(1))
+    got = jax.jit(jax.grad(lambda x, i: jnp.sum(kernels.tile(x, i, dim=1, count=2) * w)))(
+        x, jnp.int32(1))
     want = jax.grad(lambda x: jnp.sum(xla_tile.tile(x, jnp.int32(1), dim=1, count=2) * w))(x)
     np.testing.assert_array_equal(got, want)
 
 
-def test_default_platform_cpu_takes_a_traced_index():
+@pytest.mark.parametrize("backend", backends())
+def test_vmap_over_arrays_and_over_indices(kernels):
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((6, 10)), jnp.float32)
+    xs, indices = jnp.stack([x, -x, 2 * x]), jnp.array([0, 2, 1])
+    per_example = jax.vmap(lambda v, i: kernels.tile(v, i, dim=1, count=2))(xs, indices)
+    want = jax.vmap(lambda v, i: xla_tile.tile(v, i, dim=1, count=2))(xs, indices)
+    np.testing.assert_array_equal(per_example, want)
+    shared = jax.vmap(lambda v: kernels.tile(v, jnp.int32(1), dim=1, count=2))(xs)
+    np.testing.assert_array_equal(shared, xs[:, :, 5:])
+
+
+def test_pallas_default_platform_cpu_takes_a_traced_index():
+    from nxops.kernels.pallas import tile as pallas_tile
     x = jnp.arange(24.0).reshape(4, 6)
     fn = jax.jit(lambda x, i: pallas_tile.tile(x, i, dim=0, count=4))
     for i in range(4):

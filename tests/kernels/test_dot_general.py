@@ -1,8 +1,8 @@
-"""The Pallas contraction (``nxops/kernels/pallas/dot_general.py``) in
-interpret mode, both kernel styles, against ``lax.dot_general`` (the xla
-reference) and NumPy (float64 einsum), forward and gradient."""
+"""The contraction kernels of every backend (``nxops/kernels/{pallas,triton}/dot_general.py``)
+against ``lax.dot_general`` (the xla reference) and NumPy (float64 einsum):
+any dimension numbers, several blocks in M, N and K, f32/bf16/f16, NaN and
+inf, gradients, vmap and jit; then each backend's tile tables and choices."""
 import math
-import string
 
 import hypothesis
 import hypothesis.strategies as st
@@ -16,9 +16,9 @@ from nxops._errors import NxopsError
 from nxops.kernels import _gpu_target, _knobs, _registry, _tpu_target
 from nxops.kernels.pallas import dot_general as pallas_dot
 from nxops.kernels.xla import dot_general as xla_dot
-from tests.kernels._tolerances import assert_close, small_blocks
+from tests._tolerances import assert_close
+from tests.kernels._reference import assert_matches, backends, numpy_dot_general, operands
 
-STYLES = ("triton", "mosaic")
 HIGHEST = lax.Precision.HIGHEST
 MATMUL = (((1,), (0,)), ((), ()))
 
@@ -38,41 +38,19 @@ CASES = [
 ]
 
 
-def operands(shape_a, shape_b, dtype, seed=0):
-    rng = np.random.default_rng(seed)
-    return (jnp.asarray(rng.standard_normal(shape_a), dtype),
-            jnp.asarray(rng.standard_normal(shape_b), dtype))
-
-
-def numpy_dot_general(a, b, dimension_numbers):
-    """float64 einsum with the output order of lax.dot_general."""
-    (ac, bc), (ab, bb) = dimension_numbers
-    letters = iter(string.ascii_letters)
-    a_sub = [next(letters) for _ in range(a.ndim)]
-    b_sub = [next(letters) for _ in range(b.ndim)]
-    for i, j in [*zip(ac, bc), *zip(ab, bb)]:
-        b_sub[j] = a_sub[i]
-    out = ([a_sub[i] for i in ab] + [a_sub[i] for i in range(a.ndim) if i not in ac + ab]
-           + [b_sub[j] for j in range(b.ndim) if j not in bc + bb])
-    as64 = lambda v: np.asarray(jnp.asarray(v, jnp.float32), np.float64)
-    return np.einsum(f"{''.join(a_sub)},{''.join(b_sub)}->{''.join(out)}", as64(a), as64(b))
-
-
 def contracted_size(a, dimension_numbers):
     return math.prod(a.shape[d] for d in dimension_numbers[0][0])
 
 
-def pallas_fn(style, dn, **kw):
-    return jax.jit(lambda a, b: pallas_dot.dot_general_in_style(
-        a, b, dimension_numbers=dn, style=style, **kw))
+def jitted(kernels, dn, **kw):
+    return jax.jit(lambda a, b: kernels.dot_general(a, b, dimension_numbers=dn, **kw))
 
 
-@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("backend", backends())
 @pytest.mark.parametrize("shape_a,shape_b,dn", CASES, ids=[f"{a}x{b}" for a, b, _ in CASES])
-def test_matches_reference_and_numpy_f32(style, shape_a, shape_b, dn):
+def test_matches_reference_and_numpy_f32(kernels, shape_a, shape_b, dn):
     a, b = operands(shape_a, shape_b, jnp.float32)
-    with small_blocks(style):
-        got = pallas_fn(style, dn, precision=HIGHEST)(a, b)
+    got = jitted(kernels, dn, precision=HIGHEST)(a, b)
     want = xla_dot.dot_general(a, b, dimension_numbers=dn, precision=HIGHEST)
     assert got.dtype == want.dtype and got.shape == want.shape
     scale = math.sqrt(contracted_size(a, dn))
@@ -80,14 +58,13 @@ def test_matches_reference_and_numpy_f32(style, shape_a, shape_b, dn):
     assert_close(got, numpy_dot_general(a, b, dn), jnp.float32, scale)
 
 
-@pytest.mark.parametrize("dtype,style", [(jnp.bfloat16, "triton"), (jnp.bfloat16, "mosaic"),
-                                         (jnp.float16, "triton")])
+@pytest.mark.parametrize("backend", backends())
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("preferred", [None, jnp.float32])
-def test_half_precision_inputs_and_output_dtype(dtype, style, preferred):
+def test_half_precision_inputs_and_output_dtype(kernels, dtype, preferred):
     shape_a, shape_b, dn = CASES[2]
     a, b = operands(shape_a, shape_b, dtype)
-    with small_blocks(style):
-        got = pallas_fn(style, dn, preferred_element_type=preferred)(a, b)
+    got = jitted(kernels, dn, preferred_element_type=preferred)(a, b)
     want = lax.dot_general(a, b, dn, preferred_element_type=preferred)
     assert got.dtype == want.dtype
     # The kernel accumulates in f32: against float64 only the output is rounded.
@@ -96,9 +73,9 @@ def test_half_precision_inputs_and_output_dtype(dtype, style, preferred):
     assert_close(got, numpy_dot_general(a, b, dn), out_dtype, scale)
 
 
-@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("backend", backends())
 @pytest.mark.parametrize("case", [2, 3, 5])
-def test_gradient_matches_reference(style, case):
+def test_gradient_matches_reference(kernels, case):
     shape_a, shape_b, dn = CASES[case]
     a, b = operands(shape_a, shape_b, jnp.float32, seed=case)
     w = jnp.asarray(np.random.default_rng(9).standard_normal(
@@ -107,10 +84,7 @@ def test_gradient_matches_reference(style, case):
     def loss(fn, a, b):
         return jnp.sum(fn(a, b, dimension_numbers=dn, precision=HIGHEST) * w)
 
-    with small_blocks(style):
-        got = jax.jit(jax.grad(lambda a, b: loss(
-            lambda *x, **kw: pallas_dot.dot_general_in_style(*x, style=style, **kw), a, b),
-            argnums=(0, 1)))(a, b)
+    got = jax.jit(jax.grad(lambda a, b: loss(kernels.dot_general, a, b), argnums=(0, 1)))(a, b)
     want = jax.grad(lambda a, b: loss(xla_dot.dot_general, a, b), argnums=(0, 1))(a, b)
     scale = math.sqrt(max(a.size, b.size))
     for g, h in zip(got, want):
@@ -123,7 +97,8 @@ def dot_general_problems(draw):
     free dims in random positions of both operands)."""
     kinds = draw(st.lists(st.sampled_from(["batch", "contract", "a_free", "b_free"]),
                           min_size=1, max_size=5))
-    sizes = [draw(st.integers(1, 20)) for _ in kinds]
+    # Few batch elements: Triton's interpreter runs every program in Python.
+    sizes = [draw(st.integers(1, 3 if kind == "batch" else 20)) for kind in kinds]
     a_dims = [i for i, k in enumerate(kinds) if k != "b_free"]
     b_dims = [i for i, k in enumerate(kinds) if k != "a_free"]
     a_order = draw(st.permutations(a_dims))
@@ -136,18 +111,41 @@ def dot_general_problems(draw):
     return (tuple(sizes[d] for d in a_order), tuple(sizes[d] for d in b_order), dn)
 
 
-@hypothesis.settings(max_examples=15, deadline=None, derandomize=True)
-@hypothesis.given(problem=dot_general_problems(), style=st.sampled_from(STYLES))
-def test_random_dimension_numbers(problem, style):
+@pytest.mark.parametrize("backend", backends())
+@hypothesis.settings(max_examples=10, deadline=None, derandomize=True,
+                     suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture])
+@hypothesis.given(problem=dot_general_problems())
+def test_random_dimension_numbers(kernels, problem):
     shape_a, shape_b, dn = problem
     a, b = operands(shape_a, shape_b, jnp.float32)
-    with small_blocks(style):
-        got = pallas_fn(style, dn, precision=HIGHEST)(a, b)
+    got = jitted(kernels, dn, precision=HIGHEST)(a, b)
     scale = math.sqrt(max(1, contracted_size(a, dn)))
     assert_close(got, numpy_dot_general(a, b, dn), jnp.float32, scale)
 
 
-def test_default_platform_cpu_runs_interpret_mode():
+@pytest.mark.parametrize("backend", backends())
+def test_nan_inf_and_preferred_element_type(kernels):
+    a = jnp.asarray(np.random.default_rng(3).standard_normal((20, 40)), jnp.bfloat16)
+    a = a.at[3, 7].set(jnp.nan).at[5, 1].set(jnp.inf)
+    b = jnp.ones((40, 18), jnp.bfloat16)
+    got = kernels.dot_general(a, b, dimension_numbers=MATMUL, preferred_element_type=jnp.float32)
+    want = lax.dot_general(a, b, MATMUL, preferred_element_type=jnp.float32)
+    assert got.dtype == jnp.float32
+    assert_matches(got, want, jnp.bfloat16, scale=8.0)
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_vmap_folds_into_the_batch(kernels):
+    a, b = operands((2, 19, 23), (23, 2, 17), jnp.float32, seed=4)
+    dims = (((2,), (0,)), ((0,), (1,)))
+    kernel = lambda a, b: kernels.dot_general(a, b, dimension_numbers=dims, precision=HIGHEST)
+    reference = lambda a, b: lax.dot_general(a, b, dims, precision=HIGHEST)
+    stacked = jnp.stack([a, 2 * a])
+    assert_close(jax.vmap(kernel, in_axes=(0, None))(stacked, b),
+                 jax.vmap(reference, in_axes=(0, None))(stacked, b), jnp.float32, scale=5.0)
+
+
+def test_pallas_default_platform_cpu_runs_interpret_mode():
     a, b = operands((9, 10), (10, 11), jnp.float32)
     got = pallas_dot.dot_general(a, b, dimension_numbers=MATMUL, precision=HIGHEST)
     assert_close(got, numpy_dot_general(a, b, MATMUL), jnp.float32, math.sqrt(10))
@@ -188,9 +186,9 @@ def test_registry_picks_a_kernel_for_supported_cases(platform):
     assert pallas.kernel is pallas_dot.KERNEL
 
 
-@pytest.mark.parametrize("style", ["triton", "mosaic"])
+@pytest.mark.parametrize("backend", backends())
 @pytest.mark.parametrize("precision", ["float32", "highest", "bfloat16"])
-def test_bf16_matmul_under_a_global_matmul_precision_matches_numpy(style, precision):
+def test_bf16_matmul_under_a_global_matmul_precision_matches_numpy(kernels, precision):
     # Users set jax.default_matmul_precision globally; the kernel must run under it
     # (interpret mode on CPU once failed: DotThunk BF16 x BF16 = F32 unimplemented).
     rng = np.random.default_rng(0)
@@ -199,10 +197,9 @@ def test_bf16_matmul_under_a_global_matmul_precision_matches_numpy(style, precis
     dn = (((1,), (0,)), ((), ()))
     want = np.asarray(a, np.float32) @ np.asarray(b, np.float32)
     with jax.default_matmul_precision(precision):
-        got = pallas_dot.dot_general_in_style(a, b, dimension_numbers=dn, platform="cpu",
-                                              style=style)
-        grad = jax.grad(lambda a: pallas_dot.dot_general_in_style(
-            a, b, dimension_numbers=dn, platform="cpu", style=style).astype(jnp.float32).sum())(a)
+        got = kernels.dot_general(a, b, dimension_numbers=dn)
+        grad = jax.grad(lambda a: kernels.dot_general(
+            a, b, dimension_numbers=dn).astype(jnp.float32).sum())(a)
     np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2e-2, atol=2e-1)
     np.testing.assert_allclose(np.asarray(grad, np.float32),
                                np.broadcast_to(np.asarray(b, np.float32).sum(1), a.shape),
@@ -307,7 +304,30 @@ def test_mosaic_matmul_in_a_chips_tiles_matches_numpy_on_edge_blocks(dtype):
           _knobs.tuned("pallas.mosaic", m=128, n=128, k=128)):
         assert pallas_dot.mosaic_matmul_tiles(
             2, 300, 390, 260, 4, 4, _tpu_target.tpu_chip())[:3] == (128, 128, 128)
-        got = pallas_fn("mosaic", dn, precision=HIGHEST)(a, b)
+        got = pallas_dot.dot_general_in_style(a, b, dimension_numbers=dn, precision=HIGHEST,
+                                              style="mosaic")
     want = numpy_dot_general(a, b, dn)
     assert np.isnan(np.asarray(got, np.float32)[1, 7]).all()
     assert_close(got, want, dtype, math.sqrt(260))
+
+
+# --- the Triton backend's choices ---------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", backends("triton"))
+def test_triton_f32_precision_follows_the_argument_and_the_default(backend):
+    from nxops.kernels.triton import dot_general as triton_dot
+    assert triton_dot.input_precision(None, jnp.float32) == "tf32"
+    assert triton_dot.input_precision(HIGHEST, jnp.float32) == "ieee"
+    assert triton_dot.input_precision((lax.Precision.DEFAULT,) * 2, jnp.float32) == "tf32"
+    with jax.default_matmul_precision("float32"):
+        assert triton_dot.input_precision(None, jnp.float32) == "ieee"
+
+
+@pytest.mark.parametrize("backend", backends("triton"))
+def test_triton_declines_mixed_dtypes_saying_why(backend):
+    from nxops.kernels.triton import dot_general as triton_dot
+    reasons = triton_dot.not_supported_reasons(
+        jax.ShapeDtypeStruct((4, 4), jnp.float32), jax.ShapeDtypeStruct((4, 4), jnp.bfloat16),
+        platform="cuda", dimension_numbers=MATMUL)
+    assert any("different dtypes" in r for r in reasons), reasons
