@@ -56,6 +56,7 @@ PLACEMENTS = [
 ]
 TRANSFORMS = ("forward", "forward_nan", "jit", "vmap", "grad_outside", "grad_inside")
 COUNTS: collections.Counter = collections.Counter()
+EXAMPLES_RUN: list[int] = []   # the seeds of the examples run in this session
 NAN_INPUTS = P.inputs(7, nan=True)
 
 def draw_programs(seed: int, count: int = PROGRAMS_PER_EXAMPLE) -> list[tuple[str, ...]]:
@@ -206,6 +207,7 @@ def _grad_inside_reference(programs, data):
 @hypothesis.settings(hypothesis.settings.get_profile(PROFILE))
 @hypothesis.given(seed=st.integers(0, 2**31 - 1))
 def test_resources_never_change_results(seed):
+    EXAMPLES_RUN.append(seed)
     programs = draw_programs(seed)
     data = P.inputs(seed % 2**16)
     reference_inside = _grad_inside_reference(programs, data)
@@ -215,12 +217,24 @@ def test_resources_never_change_results(seed):
 
 
 def test_oracle_case_counts(capsys):
-    """Runs after the oracle (same module): prints and checks the case counts."""
+    """Runs after the oracle (same module): prints the case counts and checks
+    them. In every profile: under every placement, every drawn program was
+    checked by every transformation, or refused (collectives over a serial
+    loop). In the ci profile: the floor on the cases checked."""
     with capsys.disabled():
         _print_counts()
-    total = sum(COUNTS.values())
+    if not EXAMPLES_RUN:
+        pytest.skip("the straight-line oracle did not run in this session (deselected)")
+    drawn = sum(len(draw_programs(seed)) for seed in EXAMPLES_RUN)
+    for pid, *_ in PLACEMENTS:
+        checked = {t: COUNTS[f"{t}:{pid}"] for t in TRANSFORMS}
+        assert len(set(checked.values())) == 1, f"{pid}: cases per transformation {checked}"
+        assert checked["forward"] + COUNTS[f"refused:{pid}"] == drawn, (
+            f"{pid}: {checked['forward']} programs checked and {COUNTS[f'refused:{pid}']} "
+            f"refused of {drawn} drawn")
     if PROFILE == "ci" and not OP_NAMES_RESTRICTED:
         # its share; both oracles together: test_oracle_composed.test_oracle_case_counts
+        total = sum(COUNTS.values())
         assert total >= STRAIGHT_LINE_FLOOR, (
             f"the ci profile must check at least {STRAIGHT_LINE_FLOOR} cases, got {total}")
 
