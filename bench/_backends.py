@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 
 import nxops as nx
+from bench import _peaks
 
 BASELINE = "baseline"
 IMPLEMENTATIONS = (BASELINE,) + tuple(nx.kernels.BACKENDS)
@@ -19,6 +20,18 @@ IMPLEMENTATIONS = (BASELINE,) + tuple(nx.kernels.BACKENDS)
 # Triton's interpreter is slower still, so its entries run on a GPU only.
 ACCELERATOR_ONLY_SIZES = ("large",)
 INTERPRETED_SIZES = ("small",)
+
+
+def mesh_devices():
+    """The devices a benchmark over a mesh runs on: the default ones when
+    there are several, else the (8 simulated) CPU devices."""
+    devices = jax.devices()
+    return devices if len(devices) > 1 else jax.devices("cpu")
+
+
+def mesh_platform() -> str:
+    """The platform of :func:`mesh_devices`."""
+    return "cpu" if mesh_devices()[0].platform == "cpu" else _peaks.platform()
 
 
 def interpreted(backend: str, platform: str) -> bool:

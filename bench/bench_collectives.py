@@ -24,8 +24,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import nxops as nx
 from nxops import hlo
-from bench import _peaks
-from bench._backends import BASELINE, IMPLEMENTATIONS, compile_for, interpreted, skip_reason
+from bench._backends import (BASELINE, IMPLEMENTATIONS, compile_for, interpreted, mesh_devices,
+                             mesh_platform, skip_reason)
 from bench._measure import Work, assert_close, measure
 
 COLUMNS = 128
@@ -34,17 +34,6 @@ COLUMNS = 128
 SHARD_ROWS = {"small": 8, "medium": 2048, "large": 131072}
 DTYPES = (jnp.float32, jnp.bfloat16)
 COLLECTIVES = ("all_gather", "reduce_scatter")
-
-
-def mesh_devices():
-    devices = jax.devices()
-    return devices if len(devices) > 1 else jax.devices("cpu")
-
-
-def mesh_platform() -> str:
-    """The platform the collectives run on (simulated CPU devices when there
-    are fewer than two accelerators)."""
-    return "cpu" if mesh_devices()[0].platform == "cpu" else _peaks.platform()
 
 
 def baseline(collective: str):

@@ -18,8 +18,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import nxops as nx
-from bench import _peaks
-from bench._backends import BASELINE, IMPLEMENTATIONS, compile_for, interpreted, skip_reason
+from bench._backends import (BASELINE, IMPLEMENTATIONS, compile_for, interpreted, mesh_devices,
+                             mesh_platform, skip_reason)
 from bench._measure import Work, measure
 
 COLUMNS = 1024
@@ -27,17 +27,6 @@ COLUMNS = 1024
 # tiles as there are devices, on every device).
 TILE_ROWS = {"small": 64, "medium": 4096, "large": 32768}
 DTYPES = (jnp.float32, jnp.bfloat16)
-
-
-def mesh_devices():
-    devices = jax.devices()
-    return devices if len(devices) > 1 else jax.devices("cpu")
-
-
-def mesh_platform() -> str:
-    """The platform the tiles are taken on (simulated CPU devices when there
-    are fewer than two accelerators)."""
-    return "cpu" if mesh_devices()[0].platform == "cpu" else _peaks.platform()
 
 
 def baseline(x):
