@@ -52,9 +52,10 @@ def with_vjp(forward: Callable, vjp: Callable) -> Callable:
 def allow_kernel_effect(effect_type: type) -> None:
     """Lets a kernel primitive carry effects of ``effect_type`` wherever the
     kernels go: lowered, ordered (also over sharded programs), inside control
-    flow, ``jax.checkpoint`` and the custom VJP of :func:`with_vjp` (whose
-    backward never runs the kernel). Without the last, the kernel's jaxpr
-    fails JAX's own typecheck under ``jax_enable_checks``."""
+    flow, ``jax.checkpoint`` and the custom VJP of :func:`with_vjp`: its
+    forward runs the kernel once, and the backward of such a kernel is its
+    effect-free reference's (:func:`reference_vjp`). Without the last, the
+    kernel's jaxpr fails JAX's own typecheck under ``jax_enable_checks``."""
     for allowed in (jax_effects.lowerable_effects, jax_effects.control_flow_allowed_effects,
                     jax_effects.ordered_effects, jax_effects.shardable_ordered_effects,
                     jax_effects.remat_allowed_effects,

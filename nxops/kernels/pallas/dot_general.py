@@ -107,7 +107,7 @@ def triton_matmul_config(n_m: int, n_n: int, n_k: int, itemsize: int,
     64 (2-byte) or 32 (f32) within the dim: no 128-row tile on an 8-row
     matrix. Where ``n_batch`` x tiles would leave SMs idle (decode shapes:
     8x4096x4096 in 16x128 tiles is 32 programs on 132 SMs), the tile is
-    narrowed (see :func:`_narrowed`). The ``block_caps`` in force bound all three.
+    narrowed (see :func:`_narrowed`). The ``pallas.triton`` caps in force bound all three.
     """
     arch = arch or _gpu_target.gpu_arch()
     size = 2 if itemsize <= 2 else 4
@@ -329,7 +329,7 @@ def mosaic_matmul_tiles(n_batch: int, n_m: int, n_n: int, n_k: int, itemsize: in
                         ) -> tuple[int, int, int, int | None]:
     """(bm, bn, bk, VMEM limit or None) of the Mosaic matmul on ``chip``: the
     tile of least modelled time (above) within half the chip's VMEM and the
-    ``block_caps`` in force; with no chip, the generic 512^3 tile."""
+    ``pallas.mosaic`` caps in force; with no chip, the generic 512^3 tile."""
     caps = {d: _common.cap("mosaic", d) for d in "mnk"}
     if chip is None:
         side = lambda dim, name: dim if dim <= min(caps[name], _GENERIC_TILE) \
