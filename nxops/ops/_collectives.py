@@ -221,7 +221,7 @@ def ppermute(x: ArrayLike, axis_name: AxisNames,
 def _perm_in_mesh_order(mesh_names: tuple, perm: list) -> tuple[tuple, list]:
     """``(names, perm)`` with the mesh axes in the mesh's order and ``perm``'s
     positions renumbered for it. JAX's ppermute over shard_map axes numbers
-    positions in mesh order whatever the order of the names given (t04:
+    positions in mesh order whatever the order of the names given (e.g.
     {'a': ('y', 'x')} on an ('x', 'y') mesh), while axis_index, all_gather and
     the logical position go major to minor in the order given."""
     mesh_axes = jax.sharding.get_abstract_mesh().axis_names
