@@ -30,7 +30,8 @@ FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # run. Mosaic-style caps stay legal TPU blocks (multiples of 8 sublanes / 128
 # lanes); Triton's matmul blocks are at least 16 (tl.dot).
 SMALL_KNOBS = {
-    "pallas-triton": {"pallas.triton": dict(rows=4, cols=8, tile=32, m=16, n=16, k=16)},
+    "pallas-triton": {"pallas.triton": dict(rows=4, cols=8, tile=32, m=16, n=16, k=16,
+                                            programs=6, min_steps=1)},
     "pallas-mosaic": {"pallas.mosaic": dict(rows=8, cols=128, tile=8 * 128, m=8, n=128, k=128)},
     "triton": {"triton.reduce": dict(tile=32, cols=8, programs=6, min_steps=1),
                "triton.dot_general": dict(programs=6, min_k_steps=1, m=16, n=16, k=16),

@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
-from nxops.kernels import _knobs
+from nxops.kernels import _knobs, _layout
 from nxops.kernels._layout import next_power_of_2
 
 PLATFORMS = ("cpu", "cuda", "tpu")
@@ -126,9 +126,12 @@ def call_kwargs(target: Target, *, dimension_semantics: tuple[str, ...] = (),
 # Caps are kernel knobs (``nxops.kernels._knobs``), group ``pallas.<style>``:
 # tests shrink them with ``_knobs.tuned`` to exercise many blocks with small arrays.
 
-# triton: a (rows x cols) register tile of <= 4096 elements per program.
+# triton: a (rows x cols) register tile of <= 4096 elements per program; the
+# one-pass reductions' programs a launch wants and steps a piece keeps (see
+# _layout.ReduceKnobs).
 _knobs.declare("pallas.triton", rows=64, cols=1024, tile=4096,
-               m=128, n=256, k=256)   # matmul: see dot_general.triton_matmul_config
+               m=128, n=256, k=256,   # matmul: see dot_general.triton_matmul_config
+               programs=_layout.GPU_FILL_PROGRAMS, min_steps=_layout.MIN_STEPS_PER_PROGRAM)
 # mosaic: ~2 MiB f32 input blocks (double-buffered: well under the 16 MiB
 # default scoped VMEM). Matmul tiles are chosen per TPU generation by their
 # traffic (dot_general.mosaic_matmul_tiles) up to these caps; 512^3 where the

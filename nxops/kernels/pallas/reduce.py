@@ -130,9 +130,11 @@ LOG2E = math.log2(math.e)
 
 
 def _knobs() -> _layout.ReduceKnobs:
-    """The Triton-style plan's limits: the ``triton`` block caps (tests shrink them)."""
+    """The Triton-style plan's limits: the ``pallas.triton`` knobs (tests shrink them)."""
     return _layout.ReduceKnobs(tile=_common.cap("triton", "tile"),
-                               max_reduced_block=_common.cap("triton", "cols"))
+                               max_reduced_block=_common.cap("triton", "cols"),
+                               target_programs=_common.cap("triton", "programs"),
+                               min_steps=_common.cap("triton", "min_steps"))
 
 
 def _exp(v):
