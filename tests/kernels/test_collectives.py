@@ -323,3 +323,35 @@ def test_gradient_and_vmap_match_xla(check_vma):
     np.testing.assert_array_equal(grad, want_grad)
     np.testing.assert_array_equal(vmapped, want_vmapped)
     assert np.abs(want_grad).sum() > 0
+
+
+@pytest.mark.parametrize("op", ["all_gather", "psum_scatter"])
+def test_values_and_gradients_pass_jax_own_checks(op):
+    """The kernels carry an effect (interpret mode's ordered host callbacks);
+    under ``jax_enable_checks`` JAX typechecks every jaxpr, the custom VJP
+    around the kernel included."""
+    import nxops as nx
+
+    if op == "all_gather":
+        def body(v):
+            return nx.all_gather(v, "i", axis=0, tiled=True)
+        out_axes = [None]
+    else:
+        def body(v):
+            return nx.psum_scatter(v, "i", scatter_dimension=0, tiled=True)
+        out_axes = ["i", None]
+    f = nx.xmap(body, in_axes=["i", None], out_axes=out_axes, axis_resources={"i": "x"})
+    x = jnp.arange(16.0).reshape(2, 8)
+
+    def loss(v):   # a weight per result element: every cotangent differs
+        out = f(v)
+        return jnp.sum(out * jnp.arange(out.size, dtype=out.dtype).reshape(out.shape))
+
+    mesh = jax.make_mesh((2,), ("x",))
+    with jax.set_mesh(mesh), jax.enable_checks(True):
+        with nx.kernels.use("xla"):
+            want, want_grad = jax.value_and_grad(loss)(x)
+        with nx.kernels.use("collective=pallas"):
+            got, got_grad = jax.value_and_grad(loss)(x)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got_grad, want_grad)
