@@ -29,6 +29,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
 from nxops.kernels import _knobs, _layout
+from nxops.kernels._checks import FLOAT_DTYPES, too_large_reasons  # noqa: F401  (cross_entropy.py reads them here)
 from nxops.kernels._layout import next_power_of_2
 
 PLATFORMS = ("cpu", "cuda", "tpu")
