@@ -8,23 +8,24 @@ from nxops._supported_jax import check_jax_version
 
 check_jax_version()   # before the rest: outside the range, their imports fail obscurely
 
-from nxops._errors import NxopsError  # noqa: E402
-from nxops import hlo, kernels, random
-from nxops._export import export
-from nxops.ops import (
+from nxops._errors import NxopsError  # noqa: E402  (after the version check)
+from nxops import hlo, kernels, random  # noqa: E402  (after the version check)
+from nxops._export import export  # noqa: E402  (after the version check)
+from nxops.ops import (  # noqa: E402  (after the version check)
     all_gather, all_to_all, axis_index, axis_size, cross_entropy, einsum, logsumexp, max, mean, min, one_hot,
     pdot, pmax, pmean, pmin, ppermute, prod, psum, psum_scatter, std, sum, tile, untile, var,
 )
 
 # Import the frontend package fully, then bind the *function*: importing the
 # package `nxops.xmap` set the attribute `nxops.xmap` to the module.
-import nxops.xmap as _xmap_package  # noqa: E402
-from nxops.xmap import SerialLoop, axis_rules, serial_loop, xmap  # noqa: E402
+import nxops.xmap as _xmap_package  # noqa: E402, F401  (imports the package first, as said)
+from nxops.xmap import SerialLoop, axis_rules, serial_loop, xmap  # noqa: E402  (after it)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "NxopsError", "SerialLoop", "axis_rules", "export", "serial_loop", "xmap", "hlo", "random", "all_gather", "all_to_all", "axis_index", "axis_size", "cross_entropy", "einsum", "kernels",
+    "NxopsError", "SerialLoop", "axis_rules", "export", "serial_loop", "xmap", "hlo", "random",
+    "all_gather", "all_to_all", "axis_index", "axis_size", "cross_entropy", "einsum", "kernels",
     "logsumexp", "max", "mean", "min", "one_hot", "pdot", "pmax", "pmean", "pmin", "ppermute",
     "prod", "psum", "psum_scatter", "std", "sum", "tile", "untile", "var",
 ]
