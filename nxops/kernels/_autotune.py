@@ -147,7 +147,7 @@ def time_on_device(op: str, backend: str, avals: Sequence[Any], params: dict) ->
     args = [jax.device_put(rng.standard_normal(a.shape).astype(a.dtype)
                            if np.issubdtype(a.dtype, np.inexact) else np.zeros(a.shape, a.dtype))
             for a in avals]
-    kernel = _registry._KERNELS[(op, backend)]
+    kernel = _registry.lookup(op, backend)
     with suppressed():
         fn = jax.jit(functools.partial(kernel.fn, platform="cuda", **params))
         jax.block_until_ready(fn(*args))   # compile and warm up

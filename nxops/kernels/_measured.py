@@ -37,8 +37,9 @@ THRESHOLD = 0.95
 _PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[2]   # holds nxops/
 # Modules that select kernels rather than compute anything: not part of a version.
 _NOT_KERNEL_CODE = frozenset({
-    "nxops.kernels", "nxops.kernels._registry", "nxops.kernels._explain",
-    "nxops.kernels._measured", "nxops.kernels._autotune",
+    "nxops.kernels", "nxops.kernels._registry", "nxops.kernels._selection",
+    "nxops.kernels._choice", "nxops.kernels._auto", "nxops.kernels._reports",
+    "nxops.kernels._explain", "nxops.kernels._measured", "nxops.kernels._autotune",
 })
 
 
@@ -273,3 +274,11 @@ def verdict(case: Case | None, arch: str, kernels: Mapping[str, Any],
     why = f"{'; '.join(notes) or 'nothing fresh measured'} (a kernel needs <= " \
           f"{THRESHOLD}x; {case.describe()}): XLA"
     return Verdict(tuple(winners), why)
+
+
+def verdict_for_target(op: str, avals: Sequence[Any], params: Mapping[str, Any],
+                       kernels: Mapping[str, Any]) -> Verdict:
+    """``verdict`` for the GPU the op is being lowered for (its architecture's table)."""
+    from nxops.kernels import _gpu_target  # noqa: PLC0415  (imports jax's device state)
+    arch = arch_name(_gpu_target.compute_capability())
+    return verdict(case_of(op, avals, params), arch, kernels)

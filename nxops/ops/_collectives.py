@@ -24,7 +24,7 @@ from jax.interpreters import ad, batching, mlir
 from nxops._jax import axis_index_at_vmap_level as _axis_index_at_vmap_level
 from nxops._jax import mesh_lib as _mesh
 from nxops._errors import NxopsError
-from nxops import kernels as _kernels
+from nxops.kernels import _choice, _reports, _selection
 from nxops.ops import _axis_env, _fusion
 from nxops.kernels.xla import collectives as xla_collectives
 from nxops.kernels.xla import tile as xla_tile
@@ -50,8 +50,8 @@ def _mesh_platform() -> str:
     """Lowering platform (cpu, cuda, rocm, tpu) of the devices the collective
     runs on: the one `explain` traces for, else the concrete mesh's devices',
     else the default devices'."""
-    if _kernels.target_platform() is not None:
-        return _kernels.target_platform()
+    if _reports.target_platform() is not None:
+        return _reports.target_platform()
     devices = getattr(_mesh.get_concrete_mesh(), "devices", None)
     first = devices.flat[0] if devices is not None and devices.size else None
     device = first if isinstance(first, jax.Device) else jax.devices()[0]
@@ -83,9 +83,9 @@ def _mesh_collective(op: str, x, mesh_names: tuple[str, ...], **params):
         # No data to move; XLA's verifier rejects a zero-size all-gather dim.
         out = jax.eval_shape(lambda v: _XLA_COLLECTIVES[op](v, axis_name, **params), x)
         return jnp.zeros(out.shape, out.dtype)
-    choice = _kernels.choose(op, platform, _kernels.current_selection(), (aval,),
+    choice = _choice.choose(op, platform, _selection.current_selection(), (aval,),
                               _auto_partitioned_axes_here(), axis_name=axis_name, **params)
-    _kernels.report(op, choice, (aval,))
+    _reports.report(op, choice, (aval,))
     # Collectives over mesh axes take values that vary over them (check_vma).
     invariant = tuple(n for n in mesh_names if n not in aval.manual_axis_type.varying)
     if invariant:

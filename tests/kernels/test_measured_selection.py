@@ -12,7 +12,7 @@ import pytest
 
 import nxops as nx
 from bench import gpu_cases
-from nxops.kernels import _autotune, _gpu_target, _measured
+from nxops.kernels import _autotune, _gpu_target, _measured, _reports
 
 RUN = pathlib.Path(__file__).resolve().parents[2] / "bench" / "gpu_runs" / "h200_2026-11-26.jsonl"
 LINES = [json.loads(line) for line in RUN.read_text().splitlines()]
@@ -217,17 +217,17 @@ def test_autotune_runs_only_for_a_real_local_gpu(autotune_with_a_fake_gpu, monke
     lower = lambda: jax.jit(_fn).trace(x).lower(lowering_platforms=("cuda",))  # noqa: E731
     assert not _autotune._is_local_gpu(jax.devices("cpu")[0])
     monkeypatch.setattr(_autotune, "_is_local_gpu", lambda device: False)
-    with nx.kernels.collect_reports() as deviceless:
+    with _reports.collect_reports() as deviceless:
         lower()   # a deviceless lowering (this machine's devices are no GPU)
     assert autotune_with_a_fake_gpu == [] and deviceless[0].choice.kernel.backend == "xla"
     monkeypatch.setattr(_autotune, "_is_local_gpu", lambda device: True)
-    with nx.kernels.collect_reports() as on_gpu:
+    with _reports.collect_reports() as on_gpu:
         lower()
     assert on_gpu[0].choice.kernel.backend == "pallas" and "autotuned" in on_gpu[0].choice.why
     timed = list(autotune_with_a_fake_gpu)   # each backend that can run, once (triton if installed)
     assert {"xla", "pallas"} <= set(timed) <= {"xla", "pallas", "triton"}
     assert len(timed) == len(set(timed))
-    with nx.kernels.collect_reports() as again:
+    with _reports.collect_reports() as again:
         jax.jit(lambda v: _fn(v)).trace(x).lower(lowering_platforms=("cuda",))
     assert again[0].choice.kernel.backend == "pallas" and autotune_with_a_fake_gpu == timed
 
