@@ -9,6 +9,7 @@ from nxops._supported_jax import check_jax_version
 check_jax_version()   # before the rest: outside the range, their imports fail obscurely
 
 from nxops._errors import NxopsError  # noqa: E402
+from nxops import _config  # noqa: E402,F401  (every NXOPS_* variable, validated here)
 from nxops import hlo, kernels, random
 from nxops._export import export
 from nxops.ops import (

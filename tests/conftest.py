@@ -6,7 +6,18 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+import contextlib  # noqa: E402
+
 import pytest  # noqa: E402
+
+
+@pytest.fixture
+def nxops_config():
+    """Sets an NXOPS_* config state for the rest of the test, as its context
+    manager does: ``nxops_config("MGPU_COLLECTIVES", "1")``."""
+    from nxops import _config
+    with contextlib.ExitStack() as stack:
+        yield lambda name, value: stack.enter_context(getattr(_config, name)(value))
 
 
 @pytest.fixture

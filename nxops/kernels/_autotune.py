@@ -24,9 +24,9 @@ import pathlib
 import time
 from typing import Any, Callable, Iterator, Sequence
 
+from nxops import _config
 from nxops.kernels import _measured
 
-ENV, CACHE_ENV = "NXOPS_AUTOTUNE", "NXOPS_AUTOTUNE_CACHE"
 _CALLS_PER_SAMPLE, _SAMPLES = 20, 3
 
 # The devices the op being lowered targets (set by nxops.ops around `choose`).
@@ -70,7 +70,7 @@ def _is_local_gpu(device) -> bool:
 def active(platform: str) -> bool:
     """Whether the op being lowered for ``platform`` is to be autotuned."""
     devices = _DEVICES.get()
-    return (os.environ.get(ENV) == "1" and platform == "cuda" and not _SUPPRESSED.get()
+    return (_config.autotune() and platform == "cuda" and not _SUPPRESSED.get()
             and bool(devices) and _is_local_gpu(devices[0]))
 
 
@@ -82,8 +82,7 @@ def gpu_kind() -> str:
 def cache_path(kind: str) -> pathlib.Path:
     """The cache file of one GPU kind and this nxops version."""
     import nxops  # noqa: PLC0415
-    directory = pathlib.Path(os.environ.get(CACHE_ENV) or
-                             pathlib.Path.home() / ".cache" / "nxops" / "autotune")
+    directory = _config.autotune_cache()
     name = "".join(c if c.isalnum() else "_" for c in kind)
     return directory / f"{name}-nxops-{nxops.__version__}.json"
 

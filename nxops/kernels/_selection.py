@@ -9,9 +9,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import Any, Iterator
+from typing import Iterator
 
-from nxops._jax import config as _jax_config
+from nxops import _config
 from nxops._errors import NxopsError
 from nxops._platforms import platform_named
 from nxops.kernels._registry import BACKENDS, FAMILIES, OP_FAMILY
@@ -83,26 +83,9 @@ def parse_selection(value: str, where: str = "NXOPS_KERNELS") -> Selection:
     return Selection(tuple((f, chosen.get(f, "auto")) for f in FAMILIES))
 
 
-def _validate_state_value(value: Any) -> None:
-    parse_selection(value)
-
-
-# Read from the NXOPS_KERNELS environment variable when nxops is imported;
-# part of jit's cache key and trace context, so `use(...)` forces a retrace.
-_SELECTION_STATE = _jax_config.string_or_object_state(
-    "nxops_kernels",
-    "auto",
-    "Which kernel implementation nxops uses per op: auto, xla, pallas, triton, "
-    "or op=backend pairs such as 'reduce=pallas,einsum=xla'.",
-    include_in_jit_key=True,
-    include_in_trace_context=True,
-    validator=_validate_state_value,
-)
-
-
 def current_selection() -> Selection:
     """The selection in force (validated: a bad NXOPS_KERNELS raises here)."""
-    return parse_selection(_SELECTION_STATE.value)
+    return parse_selection(_config.KERNELS.value)
 
 
 @contextlib.contextmanager
@@ -113,5 +96,5 @@ def use(selection: str) -> Iterator[Selection]:
     block are traced and compiled for this selection.
     """
     parsed = parse_selection(selection, "nx.kernels.use")
-    with _SELECTION_STATE(selection):
+    with _config.KERNELS(selection):
         yield parsed

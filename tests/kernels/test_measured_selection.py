@@ -169,8 +169,8 @@ AVAL = jax.ShapeDtypeStruct((64, 32), jnp.float32)
 PARAMS = dict(axes=(1,), op="logsumexp")
 
 
-def test_autotune_keeps_a_kernel_only_at_095_of_xla_and_caches_the_winner(tmp_path, monkeypatch):
-    monkeypatch.setenv(_autotune.CACHE_ENV, str(tmp_path))
+def test_autotune_keeps_a_kernel_only_at_095_of_xla_and_caches_the_winner(tmp_path, nxops_config):
+    nxops_config("AUTOTUNE_CACHE", str(tmp_path))
     assert _autotune.decide({"xla": 1.0, "pallas": 0.95, "triton": 0.97}) == "pallas"
     assert _autotune.decide({"xla": 1.0, "pallas": 0.96}) == "xla"
     timed = []
@@ -198,10 +198,10 @@ def _fn(x):
 
 
 @pytest.fixture
-def autotune_with_a_fake_gpu(tmp_path, monkeypatch):
-    """NXOPS_AUTOTUNE=1, the lowering's devices taken for a local GPU, a fake timer."""
-    monkeypatch.setenv(_autotune.ENV, "1")
-    monkeypatch.setenv(_autotune.CACHE_ENV, str(tmp_path))
+def autotune_with_a_fake_gpu(tmp_path, monkeypatch, nxops_config):
+    """NXOPS_AUTOTUNE on, the lowering's devices taken for a local GPU, a fake timer."""
+    nxops_config("AUTOTUNE", "1")
+    nxops_config("AUTOTUNE_CACHE", str(tmp_path))
     timed = []
 
     def timer(op, backend, avals, params):

@@ -227,8 +227,8 @@ def test_not_supported_reasons(aval, axis_name, platform, reason):
     ("all_gather", dict(axis=1, tiled=True)),
     ("reduce_scatter", dict(scatter_dimension=1, tiled=True)),
 ])
-def test_cuda_lowers_to_mosaic_gpu_when_opted_in(monkeypatch, op, params):
-    monkeypatch.setenv("NXOPS_MGPU_COLLECTIVES", "1")
+def test_cuda_lowers_to_mosaic_gpu_when_opted_in(nxops_config, op, params):
+    nxops_config("MGPU_COLLECTIVES", "1")
     mesh = make_mesh((8,), ("x",))
     x = jax.ShapeDtypeStruct((8 * 64, 256), jnp.bfloat16, sharding=jax.NamedSharding(mesh, P("x")))
     ours = getattr(pallas_collectives, op)
@@ -242,17 +242,17 @@ def test_cuda_lowers_to_mosaic_gpu_when_opted_in(monkeypatch, op, params):
     assert jax.eval_shape(fn, x).shape == jax.eval_shape(want, x).shape
 
 
-def test_cuda_needs_opt_in_one_axis_meshes_and_128_element_pieces(monkeypatch):
+def test_cuda_needs_opt_in_one_axis_meshes_and_128_element_pieces(monkeypatch, nxops_config):
     x = jax.ShapeDtypeStruct((64, 256), jnp.float32)
     selection = _selection.parse_selection("collective=pallas")
-    monkeypatch.delenv("NXOPS_MGPU_COLLECTIVES", raising=False)
+    nxops_config("MGPU_COLLECTIVES", "0")
     with pytest.raises(NxopsError, match="NXOPS_MGPU_COLLECTIVES=1"):
         _choice.choose("all_gather", "cuda", selection, [x], axis_name="x", axis=0, tiled=True)
     auto = _choice.choose("all_gather", "cuda", _selection.parse_selection("auto"), [x],
                             axis_name="x", axis=0, tiled=True)
     assert auto.kernel.backend == "xla"  # NCCL unless opted in
 
-    monkeypatch.setenv("NXOPS_MGPU_COLLECTIVES", "1")
+    nxops_config("MGPU_COLLECTIVES", "1")
     reasons = pallas_collectives.all_gather_not_supported_reasons
     assert reasons(x, "x", platform="cuda", axis=0, tiled=True) == []
     assert "multiple of 128" in " ".join(

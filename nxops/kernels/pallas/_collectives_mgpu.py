@@ -12,12 +12,13 @@ XLA's NCCL collectives.
 from __future__ import annotations
 
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from nxops import _config
 
 OPT_IN_VARIABLE = "NXOPS_MGPU_COLLECTIVES"
 # Blocks (CTAs) when no CUDA device can be asked for its SM count, i.e. when
@@ -27,7 +28,7 @@ DTYPES = frozenset(map(np.dtype, (jnp.float32, jnp.bfloat16, jnp.float16, jnp.in
 
 
 def enabled() -> bool:
-    return os.environ.get(OPT_IN_VARIABLE, "") not in ("", "0")
+    return _config.mgpu_collectives()
 
 
 def _num_blocks() -> int:
