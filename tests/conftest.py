@@ -1,9 +1,13 @@
 """Test setup: 8 simulated CPU devices, set before JAX is imported."""
 import os
+import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# `auto` reads this machine's measured tables first: the tests see only the
+# shipped ones (and the tables they write themselves).
+os.environ["NXOPS_MEASURED_DIR"] = tempfile.mkdtemp(prefix="nxops-tests-measured-")
 
 
 import contextlib  # noqa: E402
