@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--from-run", type=pathlib.Path, metavar="RUN.jsonl",
                         help="write the table from a run's lines instead of measuring")
     parser.add_argument("--commit", help="with --from-run: the kernels' versions at this commit")
+    parser.add_argument("--show", action="store_true",
+                        help="print what auto takes from this GPU's tables (this machine's, "
+                             "then the shipped one) and measure nothing")
     return parser
 
 
@@ -72,6 +75,8 @@ def _cases_to_run(args) -> list[tuple[GpuCase, tuple[str, ...]]]:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    if args.show:
+        return _show(args)
     if args.from_run:
         return _from_run(args)
     table_dir = _table_dir(args, args.out)
@@ -126,4 +131,12 @@ def _from_run(args) -> int:
                                  _table.git_reader(args.commit) if args.commit else None)
     for path in _table.write_tables(tables, args.table_dir or _config.measured_dir()):
         print(f"wrote {path} ({len(json.loads(path.read_text())['entries'])} cases)")
+    return 0
+
+
+def _show(args) -> int:
+    from nxops.kernels import _gpu_target, _measured  # noqa: PLC0415
+    arch = _measured.arch_name(_gpu_target.compute_capability())
+    print(_table.what_auto_takes(arch, args.table_dir or _config.measured_dir()))
+    print(_table.what_auto_takes(arch))
     return 0

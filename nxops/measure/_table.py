@@ -155,3 +155,25 @@ def read_lines(path: pathlib.Path) -> list[dict]:
 def date_of(path: pathlib.Path) -> str:
     found = re.search(r"\d{4}-\d{2}-\d{2}", path.name)
     return found.group(0) if found else datetime.date.today().isoformat()
+
+
+def what_auto_takes(arch: str, directory: pathlib.Path | None = None) -> str:
+    """What `auto` takes from ``arch``'s table in ``directory`` (default: the
+    shipped one) with the installed kernels: one line of counts, then each
+    fresh entry at <= THRESHOLD of XLA's time (the kernels it takes)."""
+    name = f"{arch}.json ({'shipped' if directory is None else directory})"
+    table = _measured.load(arch, str(directory) if directory else None)
+    if not table:
+        return f"{name}: no table"
+    versions = _versions(None)
+    entries = [(key, m) for key, by in sorted(table.items()) for m in by.values()]
+    fresh = [(key, m) for key, m in entries
+             if m.version == versions.get((key.split("/")[0], m.backend))]
+    wins = [(key, m) for key, m in fresh if m.ratio <= _measured.THRESHOLD]
+    dates = sorted({m.date for _, m in entries})
+    lines = [f"{name}: {len(table)} cases, {len(entries)} entries measured {', '.join(dates)}: "
+             f"{len(fresh)} fresh, {len(entries) - len(fresh)} stale (kernels edited since)"]
+    lines += [f"auto takes {m.backend} for {key}: {m.quote()}" for key, m in wins]
+    if not wins:
+        lines.append(f"auto takes no kernel: no fresh entry at <= {_measured.THRESHOLD}x XLA")
+    return "\n".join(lines)
