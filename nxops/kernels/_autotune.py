@@ -1,4 +1,5 @@
-"""Opt-in autotuning on the GPU at hand (``NXOPS_AUTOTUNE=1``).
+"""Opt-in autotuning on the GPU at hand (``NXOPS_AUTOTUNE=on``; off by default,
+bench/README.md says why).
 
 The first time a case (op, operand shapes and dtypes, parameters) is lowered
 for a real local GPU, `auto` times every backend that can take it on random

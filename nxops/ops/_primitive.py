@@ -61,7 +61,7 @@ def _lower_with_kernel(ctx, *args, registry_op: str, platform: str, naming_param
     selection = _selection.parse_selection(kernels)
     devices = _lowering_devices(ctx)
     # The target's GPU architecture picks the measured table; a real local GPU
-    # may be autotuned on (NXOPS_AUTOTUNE=1).
+    # may be autotuned on (NXOPS_AUTOTUNE=on).
     with target_devices(devices), _autotune.lowering_for(devices):
         choice = _choice.choose(registry_op, platform, selection, ctx.avals_in,
                                   _is_auto_partitioned(ctx), _producers(args), **params)
