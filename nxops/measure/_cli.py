@@ -86,6 +86,11 @@ def main(argv=None) -> int:
                   date=datetime.date.today().isoformat(), jax=jax.__version__)
     run = _Run(out, table_dir, fields["date"], dry=args.dry)
     todo = _cases_to_run(args)
+    if args.dry:   # the kernels' GPU path, deviceless, up to what only a GPU runs
+        for case in (c for c, _ in todo if c.name in DRY_KERNEL_CASES):
+            for backend in ("pallas", "triton"):
+                print(f"{case.name} lowers for cuda under {backend}: "
+                      f"{_timing.lowers_for_cuda(case, backend)}", flush=True)
     started = time.perf_counter()
     for i, (case, backends) in enumerate(todo):
         if args.time_limit and time.perf_counter() - started > args.time_limit:

@@ -68,6 +68,18 @@ def _compile(case: gpu_cases.GpuCase, backend: str):
     return compiled, ",".join(chosen)
 
 
+def lowers_for_cuda(case: gpu_cases.GpuCase, backend: str) -> str:
+    """Lowers ``case`` for cuda under ``backend``, deviceless (``--dry``: the
+    kernels' GPU path up to the custom call, e.g. jax-triton with this
+    triton): "ok", or why the backend cannot take the case here."""
+    try:
+        with nx.kernels.use(backend):
+            jax.jit(case.fn).trace(*case.args()).lower(lowering_platforms=("cuda",))
+    except nx.NxopsError as e:
+        return str(e).split(". ")[0]
+    return "ok"
+
+
 def _rel_err(got, want) -> float:
     got = np.concatenate([np.asarray(g, np.float32).ravel() for g in jax.tree.leaves(got)])
     want = np.concatenate([np.asarray(w, np.float32).ravel() for w in jax.tree.leaves(want)])
