@@ -133,7 +133,7 @@ def test_a_stale_entry_is_passed_over_for_the_shipped_table(tmp_path, nxops_conf
     nxops_config("MEASURED_DIR", str(tmp_path))
     choice = _explain_rows_lse()
     assert choice.kernel.name == "xla:reduce"
-    assert f"pallas stale since 2026-11-28 (kernel 000000000000 measured, now " in choice.why
+    assert "pallas stale since 2026-11-28 (kernel 000000000000 measured, now " in choice.why
     assert f"table {path})" in choice.why
     shipped = _measured.load("sm_90")[choice.case]   # then what the shipped table says
     assert all(f"{m.backend} stale since {m.date}" in choice.why for m in shipped.values()

@@ -90,7 +90,9 @@ def test_auto_picks_xla_on_cpu_and_explicit_missing_backend_raises():
     saved = dict(_registry._KERNELS)
     try:
         del _registry._KERNELS[("reduce", "triton")]
-        with pytest.raises(nx.NxopsError, match=r"'triton' implementation of 'reduce'.*nxops has no 'triton' kernel for 'reduce' \(its implementations: pallas, xla\)"):
+        with pytest.raises(nx.NxopsError, match=r"'triton' implementation of 'reduce'.*nxops has "
+                                                r"no 'triton' kernel for 'reduce' \(its "
+                                                r"implementations: pallas, xla\)"):
             _choice.choose("reduce", "cuda", _selection.parse_selection("triton"), (aval,),
                              axes=(1,), op="sum")
     finally:

@@ -116,7 +116,7 @@ def build_tables(lines: Iterable[dict], date: str,
         else:
             old["cases"] = sorted({*old["cases"], f"{line['section']}/{line['case']}"})
     tables: dict[str, dict] = {}
-    for (arch, key), entry in sorted(entries.items()):
+    for (arch, _), entry in sorted(entries.items()):
         tables.setdefault(arch, {"format": _measured.FORMAT, "arch": arch, "entries": []})
         tables[arch]["entries"].append(entry)
     return tables
