@@ -6,6 +6,7 @@ import datetime
 import importlib
 import json
 import pathlib
+import tempfile
 import time
 
 import jax
@@ -31,7 +32,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="the run's lines and reports (default: TABLE_DIR/last-run)")
     parser.add_argument("--table-dir", type=pathlib.Path,
                         help="where the table goes (default: NXOPS_MEASURED_DIR, ~/.cache/nxops/"
-                             "measured; with --dry and neither given: OUT/measured)")
+                             "measured; with --dry and neither given: OUT/measured, OUT a "
+                             "temporary directory if not given)")
     parser.add_argument("--calls", type=int, default=20, help="calls per backend and case")
     parser.add_argument("-k", default="", help="only cases whose name contains this")
     parser.add_argument("--program", action="append", default=[], metavar="MODULE:FN",
@@ -47,11 +49,13 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _table_dir(args, out: pathlib.Path | None) -> pathlib.Path:
+def _table_dir(args) -> pathlib.Path:
     if args.table_dir:
         return args.table_dir
-    if args.dry and not _config.MEASURED_DIR.value and out is not None:
-        return out / "measured"   # a rehearsal's fake times never reach the user's tables
+    if args.dry and not _config.MEASURED_DIR.value:
+        # a rehearsal's fake times never reach the tables `auto` reads by default
+        out = args.out or pathlib.Path(tempfile.mkdtemp(prefix="nxops-measure-dry-"))
+        return out / "measured"
     return _config.measured_dir()
 
 
@@ -79,7 +83,7 @@ def main(argv=None) -> int:
         return _show(args)
     if args.from_run:
         return _from_run(args)
-    table_dir = _table_dir(args, args.out)
+    table_dir = _table_dir(args)
     out = args.out or table_dir / "last-run"
     out.mkdir(parents=True, exist_ok=True)
     fields = dict(_timing.device_fields(args.dry), run="nxops.measure",
