@@ -11,9 +11,12 @@ import jax
 
 import nxops as nx
 from bench import _peaks
+from nxops.kernels._choice import choose
+from nxops.kernels._registry import BACKENDS
+from nxops.kernels._selection import parse_selection
 
 BASELINE = "baseline"
-IMPLEMENTATIONS = (BASELINE,) + tuple(nx.kernels.BACKENDS)
+IMPLEMENTATIONS = (BASELINE,) + BACKENDS
 
 # Sizes each platform runs. Pallas (and the Pallas collectives) run in
 # interpret mode on CPU: correct but slow, so only the small size there;
@@ -57,8 +60,7 @@ def skip_reason(op: str, backend: str, size: str, platform: str, avals=(),
         return f"Pallas runs in interpret mode on CPU: only sizes {INTERPRETED_SIZES} there"
     # The registry's own choice, as the ops make it when they lower.
     try:
-        choice = nx.kernels.choose(op, platform, nx.kernels.parse_selection(backend), avals,
-                                   **(params or {}))
+        choice = choose(op, platform, parse_selection(backend), avals, **(params or {}))
     except nx.NxopsError as e:
         return str(e)
     if choice.kernel.backend != backend:   # e.g. zero-size operands take the reference

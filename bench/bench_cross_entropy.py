@@ -32,6 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import nxops as nx
 from tests._tolerances import assert_close
+from nxops.measure._cases import fused_loss, unfused_loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,16 +49,6 @@ GOAL = 0.02   # the fused temp at most 2% of the unfused one (at the large size)
 
 
 # --- the two losses, positional and vocab-parallel ---------------------------
-
-
-def fused_loss(h, w, labels):
-    return jnp.mean(nx.cross_entropy(h, w, labels, hidden=1, vocab=1))
-
-
-def unfused_loss(h, w, labels):
-    logits = nx.einsum("th,hv->tv", h, w)
-    picked = jnp.take_along_axis(logits, labels[:, None], 1)[:, 0]
-    return jnp.mean(nx.logsumexp(logits, 1).astype(jnp.float32) - picked.astype(jnp.float32))
 
 
 def fused_body(h, w, labels):

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import nxops as nx
+from nxops.kernels._selection import current_selection
 from bench._measure import Work, assert_close, measure, nbytes
 
 pytestmark = pytest.mark.quick
@@ -47,7 +48,7 @@ def xmapped_predict(**kwargs):
 
 
 def info(**fields):
-    return dict(fields, kernels=str(nx.kernels.current_selection()))
+    return dict(fields, kernels=str(current_selection()))
 
 
 def predict_operands():

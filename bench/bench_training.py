@@ -34,6 +34,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import nxops as nx
+from nxops.kernels._selection import current_selection
 from bench._measure import Work, assert_close, measure, nbytes
 
 DP, MP = 2, 4
@@ -122,7 +123,7 @@ def step_work(args) -> Work:
 def info(placement, impl, **fields):
     return dict(fields, op=f"training step ({placement})", backend=impl,
                 size=f"dp={DP} mp={MP}, batch {DP}x{B}, {D}-{H}-{V}",
-                baseline=impl == "baseline", kernels=str(nx.kernels.current_selection()))
+                baseline=impl == "baseline", kernels=str(current_selection()))
 
 
 def assert_same_step(got, want):

@@ -17,6 +17,7 @@ import numpy as np  # noqa: E402
 
 import nxops as nx  # noqa: E402
 from nxops import SerialLoop, xmap  # noqa: E402
+from nxops.kernels._selection import current_selection  # noqa: E402
 
 
 def named_predict(w1, w2, image):
@@ -51,7 +52,7 @@ def main():
     labels = jax.random.randint(k4, (128,), 0, 8)
     args = (w1, w2, images, labels)
     mesh = jax.make_mesh((4, 2), ("x", "y"))  # Explicit axes, JAX's default
-    print(f"NXOPS_KERNELS={nx.kernels.current_selection()}, devices: {len(jax.devices())} x "
+    print(f"NXOPS_KERNELS={current_selection()}, devices: {len(jax.devices())} x "
           f"{jax.devices()[0].platform}, mesh {dict(mesh.shape)}")
 
     want = float(positional_loss(*args))

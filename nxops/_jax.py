@@ -27,8 +27,8 @@ from jax._src.interpreters import partial_eval as pe
 from jax._src import core
 # The lowering context's axis context: is an op auto-partitioned by XLA?
 from jax._src import sharding_impls
-# Config states: the kernel selection and report epoch as jit-key config
-# (kernels/_registry.py) and check_vma toggles. No public way to define
+# Config states: every NXOPS_* variable (_config.py) and the report epoch
+# (kernels/_reports.py) as jit-key config and check_vma toggles. No public way to define
 # states that are part of the jit cache key. nx.export also lowers symbolic
 # shapes over a mesh with config.use_shardy_partitioner(False) when present
 # (_export.py says why; getattr-detected, absent in a JAX without GSPMD).

@@ -1,12 +1,27 @@
 """Test setup: 8 simulated CPU devices, set before JAX is imported."""
 import os
+import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# `auto` reads this machine's measured tables first: the tests see only the
+# shipped ones (and the tables they write themselves).
+os.environ["NXOPS_MEASURED_DIR"] = tempfile.mkdtemp(prefix="nxops-tests-measured-")
 
 
-import pytest
+import contextlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def nxops_config():
+    """Sets an NXOPS_* config state for the rest of the test, as its context
+    manager does: ``nxops_config("MGPU_COLLECTIVES", "1")``."""
+    from nxops import _config
+    with contextlib.ExitStack() as stack:
+        yield lambda name, value: stack.enter_context(getattr(_config, name)(value))
 
 
 @pytest.fixture

@@ -23,8 +23,10 @@ def test_xmap_is_the_function_even_after_importing_the_package_modules():
     assert "in_axes" in inspect.signature(nx.xmap).parameters
 
 
-def test_kernels_namespace():
-    for name in ("use", "explain", "current_selection", "registered", "Kernel", "register"):
+def test_kernels_namespace_is_what_users_call():
+    assert sorted(nx.kernels.__all__) == ["Explanation", "Kernel", "explain", "register",
+                                          "registered", "use"]
+    for name in nx.kernels.__all__:
         assert hasattr(nx.kernels, name)
 
 

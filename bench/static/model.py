@@ -716,7 +716,7 @@ def against_measured(machine: str = "h100", arch: str = "sm_90", k: str = "") ->
     modelled on ``machine`` (the table's ratio is within one GPU; the model's
     too, so an H100 model faces an H200 measurement). The model decides
     nothing: `auto` reads the table."""
-    from bench import gpu_cases
+    from nxops.measure import _cases as gpu_cases
     from nxops.kernels import _measured
 
     rows, xla_seconds = [], {}

@@ -285,9 +285,9 @@ would have stopped the generation.
 - *roofline*: minimum bytes / HBM bandwidth (819, 1640 GB/s) or FLOPs /
   dense bf16 peak (197, 918 TFLOP/s), whichever is larger. Collectives: HBM
   bytes only (ICI not modelled).
-- Which of these kernels `NXOPS_KERNELS=auto` takes, per case, is decided
-  from `python -m bench.static.model` (bench/static/MODEL.md) and written in
-  `nxops/kernels/_registry.py`.
+- Which of these kernels `NXOPS_KERNELS=auto` takes is decided by what a
+  device measured (`nxops/kernels/_auto.py`); the model
+  (bench/static/MODEL.md) decides nothing.
 
 """
 

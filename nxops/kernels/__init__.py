@@ -1,29 +1,19 @@
 """Kernel selection and the registry of implementations (``nx.kernels``).
 
 ``NXOPS_KERNELS`` (read at import) or ``nx.kernels.use(...)`` selects, per op
-family (reduce, einsum, tile, collective, cross_entropy), the backend: ``auto`` (default),
-``xla``, ``pallas`` or ``triton``.
+family (reduce, einsum, tile, collective, cross_entropy), the backend: ``auto``
+(default), ``xla``, ``pallas`` or ``triton``. ``explain`` says which kernel
+each op of a program uses, and why.
 
-The contract with ``nxops.ops`` (the only layer above) is this module's names:
-``choose`` (the kernel for an op, platform, selection and avals), ``report``
-(tell ``explain`` what was chosen), ``current_selection`` / ``parse_selection``
-``target_platform`` (the platform ``explain`` traces for, if any) and
-``target_devices`` (the devices kernels are lowered for: their GPU architecture).
+The layers above (``nxops.ops``) use the private modules: ``_selection``
+(what was asked for), ``_choice`` (the kernel for a case), ``_auto`` (`auto`'s
+rule, from ``_measured``'s tables) and ``_reports`` (what was chosen).
 """
 from nxops.kernels._explain import Explanation, explain
-from nxops.kernels._gpu_target import kernel_mesh, target_devices
-from nxops.kernels._registry import (
-    ARGUMENT, UNKNOWN, BACKENDS, CHOICES, FAMILIES, OP_FAMILY, PLATFORMS, Choice, Kernel, Selection,  # noqa: F401  (ARGUMENT, UNKNOWN: the contract with nxops.ops)
-    choose, collect_reports, current_selection, parse_selection, register, registered, report,
-    target_platform, use,
-)
+from nxops.kernels._registry import Kernel, register, registered
+from nxops.kernels._selection import use
 from nxops.kernels import xla  # noqa: F401  (registers the reference kernels)
 from nxops.kernels import pallas  # noqa: F401  (registers the Pallas kernels)
 from nxops.kernels import triton  # noqa: F401  (registers Triton kernels when jax-triton is installed)
 
-__all__ = [
-    "BACKENDS", "CHOICES", "FAMILIES", "OP_FAMILY", "PLATFORMS", "Choice", "Explanation",
-    "Kernel", "Selection", "choose", "collect_reports", "current_selection", "explain",
-    "kernel_mesh", "parse_selection", "register", "registered", "report", "target_devices", "target_platform",
-    "use",
-]
+__all__ = ["Explanation", "Kernel", "explain", "register", "registered", "use"]

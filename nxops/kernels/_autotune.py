@@ -1,4 +1,5 @@
-"""Opt-in autotuning on the GPU at hand (``NXOPS_AUTOTUNE=1``).
+"""Opt-in autotuning on the GPU at hand (``NXOPS_AUTOTUNE=on``; off by default,
+bench/README.md says why).
 
 The first time a case (op, operand shapes and dtypes, parameters) is lowered
 for a real local GPU, `auto` times every backend that can take it on random
@@ -24,9 +25,9 @@ import pathlib
 import time
 from typing import Any, Callable, Iterator, Sequence
 
+from nxops import _config
 from nxops.kernels import _measured
 
-ENV, CACHE_ENV = "NXOPS_AUTOTUNE", "NXOPS_AUTOTUNE_CACHE"
 _CALLS_PER_SAMPLE, _SAMPLES = 20, 3
 
 # The devices the op being lowered targets (set by nxops.ops around `choose`).
@@ -70,7 +71,7 @@ def _is_local_gpu(device) -> bool:
 def active(platform: str) -> bool:
     """Whether the op being lowered for ``platform`` is to be autotuned."""
     devices = _DEVICES.get()
-    return (os.environ.get(ENV) == "1" and platform == "cuda" and not _SUPPRESSED.get()
+    return (_config.autotune() and platform == "cuda" and not _SUPPRESSED.get()
             and bool(devices) and _is_local_gpu(devices[0]))
 
 
@@ -82,8 +83,7 @@ def gpu_kind() -> str:
 def cache_path(kind: str) -> pathlib.Path:
     """The cache file of one GPU kind and this nxops version."""
     import nxops  # noqa: PLC0415
-    directory = pathlib.Path(os.environ.get(CACHE_ENV) or
-                             pathlib.Path.home() / ".cache" / "nxops" / "autotune")
+    directory = _config.autotune_cache()
     name = "".join(c if c.isalnum() else "_" for c in kind)
     return directory / f"{name}-nxops-{nxops.__version__}.json"
 
@@ -147,7 +147,7 @@ def time_on_device(op: str, backend: str, avals: Sequence[Any], params: dict) ->
     args = [jax.device_put(rng.standard_normal(a.shape).astype(a.dtype)
                            if np.issubdtype(a.dtype, np.inexact) else np.zeros(a.shape, a.dtype))
             for a in avals]
-    kernel = _registry._KERNELS[(op, backend)]
+    kernel = _registry.lookup(op, backend)
     with suppressed():
         fn = jax.jit(functools.partial(kernel.fn, platform="cuda", **params))
         jax.block_until_ready(fn(*args))   # compile and warm up

@@ -8,7 +8,9 @@ import jax
 from jax.extend import core as jex_core
 
 from nxops._platforms import normalize_platform
-from nxops.kernels import _autotune, _registry
+from nxops.kernels import _autotune
+from nxops.kernels._reports import Report, collect_reports
+from nxops.kernels._selection import current_selection
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,7 +19,7 @@ class Explanation:
 
     platform: str
     selection: str
-    reports: tuple[_registry.Report, ...]
+    reports: tuple[Report, ...]
 
     def backends(self) -> dict[str, set[str]]:
         """``{op: {backend, ...}}`` over the whole program."""
@@ -52,10 +54,10 @@ def explain(fn: Callable[..., Any], *args: Any, platform: str | None = None,
     # JAX says "gpu" for CUDA devices (jax.default_backend()), the registry "cuda".
     platform = normalize_platform(platform or jax.default_backend(), "nx.kernels.explain")
     # Executes nothing, so no autotuning: it shows what the tables choose.
-    with _registry.collect_reports(platform) as reports, _autotune.suppressed():
+    with collect_reports(platform) as reports, _autotune.suppressed():
         closed = jax.make_jaxpr(fn)(*args, **kwargs)
         # A fresh function object, so that no cached lowering skips the rules.
         fresh = jax.jit(lambda *flat: jex_core.jaxpr_as_fun(closed)(*flat))
         flat_args = jax.tree_util.tree_leaves((args, kwargs))
         fresh.trace(*flat_args).lower(lowering_platforms=(platform,))
-    return Explanation(platform, str(_registry.current_selection()), tuple(reports))
+    return Explanation(platform, str(current_selection()), tuple(reports))

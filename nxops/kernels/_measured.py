@@ -3,9 +3,9 @@
 A table per GPU architecture (``measured/sm_90.json``: H100 and H200) maps a
 *case* (op, layout, reduce op, dtype, operand size bucket) to each backend's
 kernel time relative to XLA's in the same run, with the GPU, the date and the
-*version* of the kernel that was measured. ``bench/measured_table.py`` writes
-the tables (from a GPU run's JSON lines; ``ci/gpu.sh`` measures and rewrites
-them); nothing here runs on a GPU.
+*version* of the kernel that was measured. ``python -m nxops.measure`` writes
+this machine's tables into ``NXOPS_MEASURED_DIR``, which `auto` reads before
+the tables shipped in ``measured/``; nothing here runs on a GPU.
 
 A kernel's version is a hash of its source: the module that defines it and
 every ``nxops.kernels`` module it imports, transitively (the selection
@@ -13,8 +13,8 @@ machinery and package ``__init__`` files excepted). Editing a kernel, or a
 file it comes to import, makes its own entries stale, and only its own.
 
 `auto` takes a kernel only where its entry is fresh and measured at
-``THRESHOLD`` of XLA's time or less; a stale or unmeasured case, or a GPU
-with no table, keeps XLA.
+``THRESHOLD`` of XLA's time or less; a stale or unmeasured case, a GPU with
+no table, or a table that cannot be read (a warning names it) keeps XLA.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ import hashlib
 import json
 import math
 import pathlib
+import warnings
 from typing import Any, Callable, Mapping, Sequence
 
 TABLE_DIR = pathlib.Path(__file__).parent / "measured"
@@ -37,8 +38,9 @@ THRESHOLD = 0.95
 _PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[2]   # holds nxops/
 # Modules that select kernels rather than compute anything: not part of a version.
 _NOT_KERNEL_CODE = frozenset({
-    "nxops.kernels", "nxops.kernels._registry", "nxops.kernels._explain",
-    "nxops.kernels._measured", "nxops.kernels._autotune",
+    "nxops.kernels", "nxops.kernels._registry", "nxops.kernels._selection",
+    "nxops.kernels._choice", "nxops.kernels._auto", "nxops.kernels._reports",
+    "nxops.kernels._explain", "nxops.kernels._measured", "nxops.kernels._autotune",
 })
 
 
@@ -221,55 +223,100 @@ class Measurement:
                f"{self.xla_us:.1f} us) on {self.device}, {self.date}"
 
 
-@functools.cache
-def load(arch: str, directory: str | None = None) -> dict[str, dict[str, Measurement]]:
-    """``{case key: {backend: Measurement}}`` of ``arch``'s table ({} if none)."""
-    path = pathlib.Path(directory or TABLE_DIR) / f"{arch}.json"
-    if not path.is_file():
-        return {}
+SHIPPED = "shipped"   # how `explain` names the table shipped with the package
+
+
+def _read_table(path: pathlib.Path) -> dict[str, dict[str, Measurement]]:
     data = json.loads(path.read_text())
     table: dict[str, dict[str, Measurement]] = {}
     for entry in data["entries"]:
-        table[entry["key"]] = {
-            backend: Measurement(backend, m["ratio"], m["kernel_us"], m["xla_us"], m["version"],
-                                 m["device"], m["date"], tuple(m.get("cases", ())))
+        table[str(entry["key"])] = {
+            backend: Measurement(backend, float(m["ratio"]), float(m["kernel_us"]),
+                                 float(m["xla_us"]), str(m["version"]), str(m["device"]),
+                                 str(m["date"]), tuple(m.get("cases", ())))
             for backend, m in entry["backends"].items()}
     return table
 
 
+@functools.cache
+def load(arch: str, directory: str | None = None) -> dict[str, dict[str, Measurement]]:
+    """``{case key: {backend: Measurement}}`` of ``arch``'s table in
+    ``directory`` (default: the shipped one); {} if none. A table that cannot
+    be read is ignored with a warning naming it: its cases keep XLA."""
+    path = pathlib.Path(directory or TABLE_DIR) / f"{arch}.json"
+    if not path.is_file():
+        return {}
+    try:
+        return _read_table(path)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        warnings.warn(f"nxops: ignoring the measured table {path}: it is not a table "
+                      f"({type(e).__name__}: {e}); `auto` keeps XLA for the cases it would "
+                      f"decide. Measure again (python -m nxops.measure) or delete the file.",
+                      stacklevel=2)
+        return {}
+
+
+def _sources(user_directory: str | None) -> list[tuple[str, str | None]]:
+    """(name `explain` gives it, directory) of the tables to read, in order:
+    this machine's (``NXOPS_MEASURED_DIR``), then the shipped one."""
+    sources: list[tuple[str, str | None]] = []
+    if user_directory and pathlib.Path(user_directory).resolve() != TABLE_DIR.resolve():
+        sources.append((str(pathlib.Path(user_directory)), user_directory))
+    return sources + [(SHIPPED, None)]
+
+
 @dataclasses.dataclass(frozen=True)
 class Verdict:
-    """What the table says of one case: the kernels that won (best first,
+    """What the tables say of one case: the kernels that won (best first,
     each with the sentence `explain` quotes) and why XLA otherwise."""
 
     winners: tuple[tuple[str, str], ...]
     why_xla: str
 
 
+def _table_name(source: str, arch: str) -> str:
+    return f"table {SHIPPED}" if source == SHIPPED else f"table {pathlib.Path(source) / arch}.json"
+
+
 def verdict(case: Case | None, arch: str, kernels: Mapping[str, Any],
-            directory: str | None = None) -> Verdict:
-    """Reads ``arch``'s table for ``case``; ``kernels`` maps each backend to its
-    registered kernel (for its current version)."""
+            user_directory: str | None = None) -> Verdict:
+    """Reads ``arch``'s tables for ``case``: this machine's first, where it has
+    a fresh entry (measured with the installed kernel), else the shipped one.
+    ``kernels`` maps each backend to its registered kernel."""
     if case is None:
         return Verdict((), "not a kind of case the GPU tables measure")
-    table = load(arch, directory)
-    if not table:
+    tables = [(source, load(arch, directory)) for source, directory in _sources(user_directory)]
+    if not any(table for _, table in tables):
         return Verdict((), f"no measured table for {arch} (unknown GPU): XLA")
-    measured = table.get(case.key)
-    if not measured:
+    stale: list[str] = []
+    for source, table in tables:
+        measured = [m for m in table.get(case.key, {}).values() if m.backend in kernels]
+        fresh = sorted((m for m in measured if m.version == kernel_version(kernels[m.backend])),
+                       key=lambda m: m.ratio)
+        stale += [f"{m.backend} stale since {m.date} (kernel {m.version} measured, now "
+                  f"{kernel_version(kernels[m.backend])}; {_table_name(source, arch)})"
+                  for m in measured if m not in fresh]
+        if fresh:
+            return _decide(case, fresh, stale, _table_name(source, arch))
+    if not stale:
         return Verdict((), f"unmeasured on {arch} ({case.describe()}): XLA")
-    notes, winners = [], []
-    for m in sorted(measured.values(), key=lambda m: m.ratio):
-        kernel = kernels.get(m.backend)
-        if kernel is None:
-            continue
-        if m.version != kernel_version(kernel):
-            notes.append(f"{m.backend} stale since {m.date} (kernel {m.version} measured, "
-                         f"now {kernel_version(kernel)})")
-        elif m.ratio <= THRESHOLD:
-            winners.append((m.backend, f"measured {m.quote()} ({case.describe()})"))
-        else:
-            notes.append(f"measured {m.quote()}")
-    why = f"{'; '.join(notes) or 'nothing fresh measured'} (a kernel needs <= " \
-          f"{THRESHOLD}x; {case.describe()}): XLA"
-    return Verdict(tuple(winners), why)
+    return Verdict((), f"{'; '.join(stale)} (nothing fresh measured; {case.describe()}): XLA")
+
+
+def _decide(case: Case, fresh: list[Measurement], stale: list[str], table: str) -> Verdict:
+    winners = tuple((m.backend, f"measured {m.quote()} ({case.describe()}; {table})")
+                    for m in fresh if m.ratio <= THRESHOLD)
+    losses = [f"measured {m.quote()}" for m in fresh if m.ratio > THRESHOLD]
+    why = f"{'; '.join(losses + stale)} (a kernel needs <= {THRESHOLD}x; {case.describe()}; " \
+          f"{table}): XLA"
+    return Verdict(winners, why)
+
+
+def verdict_for_target(op: str, avals: Sequence[Any], params: Mapping[str, Any],
+                       kernels: Mapping[str, Any]) -> Verdict:
+    """``verdict`` for the GPU the op is being lowered for (its architecture's
+    tables: this machine's, ``NXOPS_MEASURED_DIR``, then the shipped one)."""
+    from nxops import _config  # noqa: PLC0415
+    from nxops.kernels import _gpu_target  # noqa: PLC0415  (imports jax's device state)
+    arch = arch_name(_gpu_target.compute_capability())
+    return verdict(case_of(op, avals, params), arch, kernels, str(_config.measured_dir()))

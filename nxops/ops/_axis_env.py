@@ -29,7 +29,7 @@ from nxops._jax import bound_axis_sizes as _bound_axis_sizes
 from nxops._jax import wrap_custom_rules as _wrap_custom_rules
 from nxops._errors import NxopsError
 from nxops._jax import mesh_lib as _mesh
-from nxops import kernels as _kernels
+from nxops.kernels import _reports
 
 
 class InternalAxisName:
@@ -510,8 +510,8 @@ def mesh_platform() -> str:
     """Lowering platform (cpu, cuda, rocm, tpu) of the devices the collective
     runs on: the one `explain` traces for, else the concrete mesh's devices',
     else the default devices'."""
-    if _kernels.target_platform() is not None:
-        return _kernels.target_platform()
+    if _reports.target_platform() is not None:
+        return _reports.target_platform()
     devices = getattr(_mesh.get_concrete_mesh(), "devices", None)
     first = devices.flat[0] if devices is not None and devices.size else None
     device = first if isinstance(first, jax.Device) else jax.devices()[0]

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from nxops import kernels as _kernels
 from nxops._errors import NxopsError
+from nxops.kernels import _choice, _reports, _selection
 from nxops._typing import ArrayLike, AxisNames
 from nxops.kernels.xla import collectives as xla_collectives
 from nxops.ops import _axis_env
@@ -48,9 +48,9 @@ def _mesh_collective(op: str, x, mesh_names: tuple[str, ...], **params):
         # No data to move; XLA's verifier rejects a zero-size all-gather dim.
         out = jax.eval_shape(lambda v: _XLA_COLLECTIVES[op](v, axis_name, **params), x)
         return jnp.zeros(out.shape, out.dtype)
-    choice = _kernels.choose(op, platform, _kernels.current_selection(), (aval,),
+    choice = _choice.choose(op, platform, _selection.current_selection(), (aval,),
                               _auto_partitioned_axes_here(), axis_name=axis_name, **params)
-    _kernels.report(op, choice, (aval,))
+    _reports.report(op, choice, (aval,))
     # Collectives over mesh axes take values that vary over them (check_vma).
     invariant = tuple(n for n in mesh_names if n not in aval.manual_axis_type.varying)
     if invariant:

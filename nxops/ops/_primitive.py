@@ -26,13 +26,15 @@ from nxops._jax import (api_util, core, dispatch, lower_per_platform, pe, shardi
                         source_info_util)
 from nxops._jax import config as jax_config
 from nxops._errors import NxopsError
-from nxops import kernels as _kernels
-from nxops.kernels import _autotune
+from nxops._platforms import PLATFORMS
+from nxops.kernels import _autotune, _choice, _reports, _selection
+from nxops.kernels._auto import ARGUMENT, UNKNOWN
+from nxops.kernels._gpu_target import kernel_mesh, target_devices
 
 
 def selection_param() -> str:
     """The kernel selection in force, validated, as a primitive parameter."""
-    return str(_kernels.current_selection())
+    return str(_selection.current_selection())
 
 
 def _kernel_params(params: dict, naming_params: Sequence[str]) -> dict:
@@ -56,14 +58,14 @@ def _lower_with_kernel(ctx, *args, registry_op: str, platform: str, naming_param
         raise NxopsError(f"nxops op {registry_op!r} reached lowering with unbound names {pending}: "
                          f"a named axis must be bound by an enclosing vmap, shard_map or xmap.")
     params = _kernel_params(params, naming_params)
-    selection = _kernels.parse_selection(kernels)
+    selection = _selection.parse_selection(kernels)
     devices = _lowering_devices(ctx)
     # The target's GPU architecture picks the measured table; a real local GPU
-    # may be autotuned on (NXOPS_AUTOTUNE=1).
-    with _kernels.target_devices(devices), _autotune.lowering_for(devices):
-        choice = _kernels.choose(registry_op, platform, selection, ctx.avals_in,
+    # may be autotuned on (NXOPS_AUTOTUNE=on).
+    with target_devices(devices), _autotune.lowering_for(devices):
+        choice = _choice.choose(registry_op, platform, selection, ctx.avals_in,
                                   _is_auto_partitioned(ctx), _producers(args), **params)
-    _kernels.report(registry_op, choice, ctx.avals_in)
+    _reports.report(registry_op, choice, ctx.avals_in)
     fn = functools.partial(choice.kernel.fn, platform=platform, **params)
     # Kernels are local computations: trace them on plain avals (no sharding,
     # no shard_map varying-axes types) outside any mesh context.
@@ -72,8 +74,8 @@ def _lower_with_kernel(ctx, *args, registry_op: str, platform: str, naming_param
     local_ctx = ctx.replace(avals_in=[_local_aval(a) for a in ctx.avals_in],
                             avals_out=[_local_aval(a) for a in ctx.avals_out],
                             name_stack=source_info_util.new_name_stack())
-    with _kernels.target_devices(devices):
-        with (jax.sharding.use_abstract_mesh(_kernels.kernel_mesh(platform)),
+    with target_devices(devices):
+        with (jax.sharding.use_abstract_mesh(kernel_mesh(platform)),
               jax_config._check_vma(False)):
             return mlir.lower_fun(fn, multiple_results=False)(local_ctx, *args)
 
@@ -87,8 +89,8 @@ _UNFUSABLE_REGIONS = ("stablehlo.while", "stablehlo.case", "stablehlo.if")
 
 
 def _producers(args) -> tuple[str, ...]:
-    """What made each operand, for `auto`'s rule (``_kernels.ARGUMENT``, the
-    StableHLO op's name, or ``_kernels.UNKNOWN``)."""
+    """What made each operand, for `auto`'s rule (``ARGUMENT``, the
+    StableHLO op's name, or ``UNKNOWN``)."""
     return tuple(_producer(a) for a in args)
 
 
@@ -98,18 +100,18 @@ def _producer(value) -> str:
             if isinstance(value, mlir.ir.BlockArgument):
                 parent = value.owner.owner.operation
                 if parent.name in _UNFUSABLE_REGIONS:
-                    return _kernels.ARGUMENT
+                    return ARGUMENT
                 if parent.name == "func.func" and \
                         mlir.ir.StringAttr(parent.attributes["sym_name"]).value == "main":
-                    return _kernels.ARGUMENT
-                return _kernels.UNKNOWN   # a nested function's argument: its caller is not visible
+                    return ARGUMENT
+                return UNKNOWN   # a nested function's argument: its caller is not visible
             op = value.owner.operation
             if op.name not in _VIEWS:
                 return op.name
             value = op.operands[0]
-    except Exception:  # an IR shape we do not know: say so, and auto keeps XLA
-        return _kernels.UNKNOWN
-    return _kernels.UNKNOWN
+    except Exception:  # noqa: BLE001 - an IR shape we do not know: say so, and auto keeps XLA
+        return UNKNOWN
+    return UNKNOWN
 
 
 def _lowering_devices(ctx) -> tuple:
@@ -157,7 +159,7 @@ def kernel_primitive(name: str, op: str, reference: Callable[..., Any],
     prim.def_abstract_eval(abstract_eval)
     rules = {platform: functools.partial(_lower_with_kernel, registry_op=op, platform=platform,
                                          naming_params=naming_params)
-             for platform in _kernels.PLATFORMS}
+             for platform in PLATFORMS}
     if lower_per_platform is None:
         for platform, rule in rules.items():
             mlir.register_lowering(prim, rule, platform=platform)

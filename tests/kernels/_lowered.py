@@ -15,7 +15,7 @@ import jax
 from jax._src.lib import tpu as tpu_dialect
 from jax._src.lib.mlir import ir
 
-from nxops.kernels import kernel_mesh
+from nxops.kernels._gpu_target import kernel_mesh
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 MOSAIC_CALL = "tpu_custom_call"

@@ -15,7 +15,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpret
 
 from nxops._errors import NxopsError
-from nxops.kernels import _registry
+from nxops.kernels import _choice, _selection
 from nxops.kernels.pallas import collectives as pallas_collectives
 from nxops.kernels.xla import collectives as xla_collectives
 
@@ -183,17 +183,17 @@ def test_split_prefers_leading_dims_and_aligned_tiles():
 
 
 def test_registered_for_cpu_and_tpu():
-    selection = _registry.parse_selection("collective=pallas")
+    selection = _selection.parse_selection("collective=pallas")
     x = jax.ShapeDtypeStruct((8, 4), jnp.float32)
     for platform in ("cpu", "tpu"):
-        choice = _registry.choose("all_gather", platform, selection, [x], axis_name="x",
+        choice = _choice.choose("all_gather", platform, selection, [x], axis_name="x",
                                   axis=0, tiled=True)
         assert choice.kernel is pallas_collectives.ALL_GATHER
-        choice = _registry.choose("reduce_scatter", platform, selection, [x], axis_name="x",
+        choice = _choice.choose("reduce_scatter", platform, selection, [x], axis_name="x",
                                   scatter_dimension=0, tiled=True)
         assert choice.kernel is pallas_collectives.REDUCE_SCATTER
     with pytest.raises(NxopsError, match="runs on cpu, cuda, tpu, not rocm"):
-        _registry.choose("all_gather", "rocm", selection, [x], axis_name="x", axis=0, tiled=True)
+        _choice.choose("all_gather", "rocm", selection, [x], axis_name="x", axis=0, tiled=True)
 
 
 @pytest.mark.parametrize("aval,axis_name,platform,reason", [
@@ -212,9 +212,9 @@ def test_not_supported_reasons(aval, axis_name, platform, reason):
         assert any(reason in r for r in ag), ag
     else:
         assert not ag
-    selection = _registry.parse_selection("collective=pallas")
+    selection = _selection.parse_selection("collective=pallas")
     with pytest.raises(NxopsError, match="cannot run this case"):
-        _registry.choose("reduce_scatter", platform, selection, [aval], axis_name=axis_name,
+        _choice.choose("reduce_scatter", platform, selection, [aval], axis_name=axis_name,
                          scatter_dimension=0, tiled=True)
 
 
@@ -227,8 +227,8 @@ def test_not_supported_reasons(aval, axis_name, platform, reason):
     ("all_gather", dict(axis=1, tiled=True)),
     ("reduce_scatter", dict(scatter_dimension=1, tiled=True)),
 ])
-def test_cuda_lowers_to_mosaic_gpu_when_opted_in(monkeypatch, op, params):
-    monkeypatch.setenv("NXOPS_MGPU_COLLECTIVES", "1")
+def test_cuda_lowers_to_mosaic_gpu_when_opted_in(nxops_config, op, params):
+    nxops_config("MGPU_COLLECTIVES", "1")
     mesh = make_mesh((8,), ("x",))
     x = jax.ShapeDtypeStruct((8 * 64, 256), jnp.bfloat16, sharding=jax.NamedSharding(mesh, P("x")))
     ours = getattr(pallas_collectives, op)
@@ -242,17 +242,17 @@ def test_cuda_lowers_to_mosaic_gpu_when_opted_in(monkeypatch, op, params):
     assert jax.eval_shape(fn, x).shape == jax.eval_shape(want, x).shape
 
 
-def test_cuda_needs_opt_in_one_axis_meshes_and_128_element_pieces(monkeypatch):
+def test_cuda_needs_opt_in_one_axis_meshes_and_128_element_pieces(monkeypatch, nxops_config):
     x = jax.ShapeDtypeStruct((64, 256), jnp.float32)
-    selection = _registry.parse_selection("collective=pallas")
-    monkeypatch.delenv("NXOPS_MGPU_COLLECTIVES", raising=False)
+    selection = _selection.parse_selection("collective=pallas")
+    nxops_config("MGPU_COLLECTIVES", "0")
     with pytest.raises(NxopsError, match="NXOPS_MGPU_COLLECTIVES=1"):
-        _registry.choose("all_gather", "cuda", selection, [x], axis_name="x", axis=0, tiled=True)
-    auto = _registry.choose("all_gather", "cuda", _registry.parse_selection("auto"), [x],
+        _choice.choose("all_gather", "cuda", selection, [x], axis_name="x", axis=0, tiled=True)
+    auto = _choice.choose("all_gather", "cuda", _selection.parse_selection("auto"), [x],
                             axis_name="x", axis=0, tiled=True)
     assert auto.kernel.backend == "xla"  # NCCL unless opted in
 
-    monkeypatch.setenv("NXOPS_MGPU_COLLECTIVES", "1")
+    nxops_config("MGPU_COLLECTIVES", "1")
     reasons = pallas_collectives.all_gather_not_supported_reasons
     assert reasons(x, "x", platform="cuda", axis=0, tiled=True) == []
     assert "multiple of 128" in " ".join(

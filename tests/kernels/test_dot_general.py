@@ -13,7 +13,7 @@ import pytest
 from jax import lax
 
 from nxops._errors import NxopsError
-from nxops.kernels import _gpu_target, _knobs, _registry, _tpu_target
+from nxops.kernels import _choice, _gpu_target, _knobs, _selection, _tpu_target
 from nxops.kernels.pallas import dot_general as pallas_dot
 from nxops.kernels.xla import dot_general as xla_dot
 from tests._tolerances import assert_close
@@ -163,24 +163,24 @@ def test_unsupported_cases_fall_back_or_raise(a_dtype, b_dtype, platform, kw, re
     avals = [jax.ShapeDtypeStruct((4, 8), a_dtype), jax.ShapeDtypeStruct((8, 2), b_dtype)]
     params = dict(dimension_numbers=MATMUL, precision=None, preferred_element_type=None)
     params.update(kw)
-    auto = _registry.choose("dot_general", platform, _registry.parse_selection("auto"), avals,
+    auto = _choice.choose("dot_general", platform, _selection.parse_selection("auto"), avals,
                             **params)
     assert auto.kernel.backend == "xla"
     with pytest.raises(NxopsError, match=reason):
-        _registry.choose("dot_general", platform, _registry.parse_selection("pallas"), avals,
+        _choice.choose("dot_general", platform, _selection.parse_selection("pallas"), avals,
                          **params)
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_registry_picks_a_kernel_for_supported_cases(platform):
     avals = [jax.ShapeDtypeStruct((4, 8), jnp.bfloat16), jax.ShapeDtypeStruct((8, 2), jnp.bfloat16)]
-    # auto keeps cuBLAS / XLA's dots: unmeasured on cuda (XLA), no modelled win on TPU
-    choice = _registry.choose("dot_general", platform, _registry.parse_selection("auto"), avals,
+    # auto keeps cuBLAS / XLA's dots: unmeasured on cuda (XLA), nothing measured on TPU
+    choice = _choice.choose("dot_general", platform, _selection.parse_selection("auto"), avals,
                               dimension_numbers=MATMUL, precision=None,
                               preferred_element_type=jnp.float32)
-    why = {"cuda": "unmeasured on sm_90", "tpu": "no modelled win on TPU"}[platform]
+    why = {"cuda": "unmeasured on sm_90", "tpu": "nothing measured on tpu"}[platform]
     assert choice.kernel.backend == "xla" and why in choice.describe()
-    pallas = _registry.choose("dot_general", platform, _registry.parse_selection("pallas"), avals,
+    pallas = _choice.choose("dot_general", platform, _selection.parse_selection("pallas"), avals,
                               dimension_numbers=MATMUL, precision=None,
                               preferred_element_type=jnp.float32)
     assert pallas.kernel is pallas_dot.KERNEL

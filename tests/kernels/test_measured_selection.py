@@ -1,7 +1,9 @@
 """`auto` on cuda chooses by what a GPU measured (nxops/kernels/measured/,
 seeded from bench/gpu_runs/h200_2026-11-26.jsonl): for every case of that
-run, what it picks and what ``explain`` says; stale entries, unknown GPUs;
-the kernel-version hash; opt-in autotuning (with a fake timer: no GPU here)."""
+run, what it picks with the kernels that run measured, and what ``explain``
+says; stale entries, unknown GPUs; the kernel-version hash; opt-in
+autotuning (with a fake timer: no GPU here). tests/test_measure.py checks
+both outcomes against a fresh table."""
 import json
 import pathlib
 
@@ -11,24 +13,26 @@ import numpy as np
 import pytest
 
 import nxops as nx
-from bench import gpu_cases
-from nxops.kernels import _autotune, _gpu_target, _measured
+from nxops.measure import _cases as gpu_cases
+from nxops.measure import _table as measured_table
+from nxops.kernels import _autotune, _gpu_target, _measured, _reports
 
 RUN = pathlib.Path(__file__).resolve().parents[2] / "bench" / "gpu_runs" / "h200_2026-11-26.jsonl"
 LINES = [json.loads(line) for line in RUN.read_text().splitlines()]
 CASES = sorted({(line["section"], line["case"]) for line in LINES})
 
-# Every kernel `auto` takes on cuda, per case of the run, with the ratio it
-# quotes (the worst measured for its table case); everything else keeps XLA.
+# Every kernel `auto` takes on cuda with the kernels the run measured, per
+# case of the run (the ratio it quotes is read from the table); everything
+# else keeps XLA.
 PICKS = {
-    ("kernels", "rows_lse_16384x8192_f32"): ("triton", "0.71"),
-    ("kernels", "rows_lse_4096x4096_f32"): ("triton", "0.77"),
-    ("programs", "rows_lse_f32"): ("triton", "0.77"),
-    ("kernels", "cols_lse_4096x4096_f32"): ("pallas", "0.66"),
-    ("kernels", "cols_lse_4096x4096_bf16"): ("pallas", "0.68"),
-    ("kernels", "cols_sum_4096x4096_bf16"): ("pallas", "0.84"),
-    ("programs", "cols_sum_bf16"): ("pallas", "0.84"),
-    ("kernels", "odd_1000x3000x500_bf16"): ("triton", "0.62"),
+    ("kernels", "rows_lse_16384x8192_f32"): "triton",
+    ("kernels", "rows_lse_4096x4096_f32"): "triton",
+    ("programs", "rows_lse_f32"): "triton",
+    ("kernels", "cols_lse_4096x4096_f32"): "pallas",
+    ("kernels", "cols_lse_4096x4096_bf16"): "pallas",
+    ("kernels", "cols_sum_4096x4096_bf16"): "pallas",
+    ("programs", "cols_sum_bf16"): "pallas",
+    ("kernels", "odd_1000x3000x500_bf16"): "triton",
 }
 
 
@@ -51,14 +55,17 @@ def test_auto_on_cuda_picks_only_kernels_measured_at_most_095_of_xla(section, na
     explanation = _explain(section, name)
     assert explanation.reports, name
     pick = PICKS.get((section, name))
+    table = _measured.load("sm_90")
     for report in explanation.reports:
         why = report.choice.describe()
         backend = report.choice.kernel.backend
         if pick and report.op in ("reduce", "dot_general"):
-            assert backend == pick[0], why
-            assert f"measured {pick[0]} {pick[1]}x XLA" in why and "NVIDIA H200, 2026-11-26" in why
-            own = _own_ratio(section, name, pick[0])   # the run itself says it won
-            assert own is None or own <= float(pick[1]) + 0.005, (own, why)
+            assert backend == pick, why
+            measured = table[report.choice.case][pick]
+            assert f"measured {measured.quote()}" in why and "table shipped" in why
+            assert measured.ratio <= _measured.THRESHOLD and measured.device == "NVIDIA H200"
+            own = _own_ratio(section, name, pick)   # the run itself says it won
+            assert own is None or own <= measured.ratio + 0.005, (own, why)
         else:
             assert backend == "xla", why
             # why: every fresh kernel measured slower than 0.95x, or nothing measured
@@ -66,23 +73,6 @@ def test_auto_on_cuda_picks_only_kernels_measured_at_most_095_of_xla(section, na
                       if "x XLA" in w.split(";")[0]]
             assert all(r > _measured.THRESHOLD for r in quoted), why
             assert quoted or "unmeasured on sm_90" in why, why
-
-
-@pytest.mark.parametrize("section, name", CASES, ids=[f"{s}/{n}" for s, n in CASES])
-def test_auto_on_cuda_with_the_installed_kernels_takes_only_fresh_wins(section, name):
-    """As the test above, with the kernels as they are now (no pinned versions):
-    a kernel edited since the run (e.g. the one-pass reductions) is stale, and
-    its cases keep XLA, saying so."""
-    table = _measured.load("sm_90")
-    for report in _explain(section, name).reports:
-        kernel, why = report.choice.kernel, report.choice.describe()
-        fresh_wins = [m for by in table.values() for m in by.values()
-                      if m.backend == kernel.backend and m.ratio <= _measured.THRESHOLD
-                      and m.version == _measured.kernel_version(kernel) and m.quote() in why]
-        assert kernel.backend == "xla" or fresh_wins, why
-        for stale in why.split("stale since ")[1:]:
-            measured, now = stale.split("measured, now ")[0].rsplit(" ", 1)[-1], stale.split("now ")[1][:12]
-            assert measured != now, why
 
 
 def test_every_run_case_is_in_the_catalogue_and_each_kernel_has_one_version():
@@ -111,7 +101,8 @@ def test_an_edited_kernel_makes_only_its_own_entries_stale(monkeypatch, measured
     bf16 = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
     choice = nx.kernels.explain(fn, bf16, platform="cuda").reports[0].choice
     assert choice.kernel.backend == "xla"
-    assert "pallas stale since 2026-11-26 (kernel 01667e6e07ab measured, now edited)" in choice.describe()
+    assert "pallas stale since 2026-11-26 (kernel 01667e6e07ab measured, now edited; table shipped)" \
+        in choice.describe()
 
 
 def test_a_gpu_without_a_table_keeps_xla(monkeypatch, measured_kernels):
@@ -154,7 +145,6 @@ def _without_versions(table):
 
 
 def test_the_converter_rebuilds_the_shipped_table(tmp_path, measured_kernels):
-    from bench import measured_table
     tables = measured_table.build_tables(LINES, "2026-11-26")
     measured_table.write_tables(tables, tmp_path)
     shipped = json.loads((_measured.TABLE_DIR / "sm_90.json").read_text())
@@ -169,8 +159,8 @@ AVAL = jax.ShapeDtypeStruct((64, 32), jnp.float32)
 PARAMS = dict(axes=(1,), op="logsumexp")
 
 
-def test_autotune_keeps_a_kernel_only_at_095_of_xla_and_caches_the_winner(tmp_path, monkeypatch):
-    monkeypatch.setenv(_autotune.CACHE_ENV, str(tmp_path))
+def test_autotune_keeps_a_kernel_only_at_095_of_xla_and_caches_the_winner(tmp_path, nxops_config):
+    nxops_config("AUTOTUNE_CACHE", str(tmp_path))
     assert _autotune.decide({"xla": 1.0, "pallas": 0.95, "triton": 0.97}) == "pallas"
     assert _autotune.decide({"xla": 1.0, "pallas": 0.96}) == "xla"
     timed = []
@@ -198,10 +188,10 @@ def _fn(x):
 
 
 @pytest.fixture
-def autotune_with_a_fake_gpu(tmp_path, monkeypatch):
-    """NXOPS_AUTOTUNE=1, the lowering's devices taken for a local GPU, a fake timer."""
-    monkeypatch.setenv(_autotune.ENV, "1")
-    monkeypatch.setenv(_autotune.CACHE_ENV, str(tmp_path))
+def autotune_with_a_fake_gpu(tmp_path, monkeypatch, nxops_config):
+    """NXOPS_AUTOTUNE on, the lowering's devices taken for a local GPU, a fake timer."""
+    nxops_config("AUTOTUNE", "1")
+    nxops_config("AUTOTUNE_CACHE", str(tmp_path))
     timed = []
 
     def timer(op, backend, avals, params):
@@ -217,17 +207,17 @@ def test_autotune_runs_only_for_a_real_local_gpu(autotune_with_a_fake_gpu, monke
     lower = lambda: jax.jit(_fn).trace(x).lower(lowering_platforms=("cuda",))  # noqa: E731
     assert not _autotune._is_local_gpu(jax.devices("cpu")[0])
     monkeypatch.setattr(_autotune, "_is_local_gpu", lambda device: False)
-    with nx.kernels.collect_reports() as deviceless:
+    with _reports.collect_reports() as deviceless:
         lower()   # a deviceless lowering (this machine's devices are no GPU)
     assert autotune_with_a_fake_gpu == [] and deviceless[0].choice.kernel.backend == "xla"
     monkeypatch.setattr(_autotune, "_is_local_gpu", lambda device: True)
-    with nx.kernels.collect_reports() as on_gpu:
+    with _reports.collect_reports() as on_gpu:
         lower()
     assert on_gpu[0].choice.kernel.backend == "pallas" and "autotuned" in on_gpu[0].choice.why
     timed = list(autotune_with_a_fake_gpu)   # each backend that can run, once (triton if installed)
     assert {"xla", "pallas"} <= set(timed) <= {"xla", "pallas", "triton"}
     assert len(timed) == len(set(timed))
-    with nx.kernels.collect_reports() as again:
+    with _reports.collect_reports() as again:
         jax.jit(lambda v: _fn(v)).trace(x).lower(lowering_platforms=("cuda",))
     assert again[0].choice.kernel.backend == "pallas" and autotune_with_a_fake_gpu == timed
 

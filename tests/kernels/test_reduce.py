@@ -11,7 +11,7 @@ import pytest
 
 import nxops as nx
 from nxops._errors import NxopsError
-from nxops.kernels import _layout, _registry
+from nxops.kernels import _auto, _choice, _layout, _selection
 from nxops.kernels.xla import reduce as xla_reduce
 from tests.kernels._reference import (FLOAT_DTYPES, assert_matches, backends, numpy_reduce, sample,
                                       small_blocks, sum_scale)
@@ -269,21 +269,21 @@ def test_registry_takes_pallas_or_falls_back_with_a_reason(dtype, platform, unsu
     aval = jax.ShapeDtypeStruct((4, 8), dtype)
     # a rows logsumexp of a program argument: `auto` keeps XLA (no TPU has
     # measured the kernel; on cuda this small case is unmeasured); `pallas` is obeyed
-    auto = _registry.choose("reduce", platform, _registry.parse_selection("auto"), [aval],
-                            False, (_registry.ARGUMENT,), axes=(1,), op="logsumexp")
+    auto = _choice.choose("reduce", platform, _selection.parse_selection("auto"), [aval],
+                            False, (_auto.ARGUMENT,), axes=(1,), op="logsumexp")
     assert auto.kernel.backend == "xla"
-    pallas = _registry.parse_selection("pallas")
+    pallas = _selection.parse_selection("pallas")
     if unsupported:
         with pytest.raises(NxopsError, match="pallas"):
-            _registry.choose("reduce", platform, pallas, [aval], axes=(1,), op="sum")
+            _choice.choose("reduce", platform, pallas, [aval], axes=(1,), op="sum")
     else:
-        assert _registry.choose("reduce", platform, pallas, [aval], axes=(1,), op="sum").kernel \
+        assert _choice.choose("reduce", platform, pallas, [aval], axes=(1,), op="sum").kernel \
             is pallas_reduce.KERNEL
 
 
 def test_zero_size_input_takes_the_reference_even_when_pallas_is_requested():
     # The registry answers zero-size cases before asking any kernel.
-    choice = nx.kernels.choose("reduce", "cuda", nx.kernels.parse_selection("pallas"),
+    choice = _choice.choose("reduce", "cuda", _selection.parse_selection("pallas"),
                                (jax.ShapeDtypeStruct((0, 3), jnp.float32),), axes=(0,), op="sum")
     assert choice.kernel.backend == "xla" and "zero-size" in choice.describe()
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from nxops._errors import NxopsError
-from nxops.kernels import _registry
+from nxops.kernels import _choice, _selection
+from nxops.kernels.pallas import tile as pallas_tile
 from nxops.kernels.xla import tile as xla_tile
 from tests.kernels._reference import backends
 
@@ -72,7 +73,6 @@ def test_vmap_over_arrays_and_over_indices(kernels):
 
 
 def test_pallas_default_platform_cpu_takes_a_traced_index():
-    from nxops.kernels.pallas import tile as pallas_tile
     x = jnp.arange(24.0).reshape(4, 6)
     fn = jax.jit(lambda x, i: pallas_tile.tile(x, i, dim=0, count=4))
     for i in range(4):
@@ -88,15 +88,15 @@ def test_pallas_default_platform_cpu_takes_a_traced_index():
 ])
 def test_registry_choice(shape, dtype, platform, backend):
     avals = [jax.ShapeDtypeStruct(shape, dtype), jax.ShapeDtypeStruct((), jnp.int32)]
-    pallas = _registry.parse_selection("tile=pallas")
+    pallas = _selection.parse_selection("tile=pallas")
     if backend == "pallas":
-        assert _registry.choose("tile", platform, pallas, avals, dim=0, count=2).kernel.backend \
+        assert _choice.choose("tile", platform, pallas, avals, dim=0, count=2).kernel.backend \
             == "pallas"
     else:
         with pytest.raises(NxopsError, match="cannot run this case"):
-            _registry.choose("tile", platform, pallas, avals, dim=0, count=2)
+            _choice.choose("tile", platform, pallas, avals, dim=0, count=2)
     # auto keeps XLA's dynamic slice: no GPU measured the kernel winning
-    auto = _registry.choose("tile", platform, _registry.parse_selection("auto"), avals,
+    auto = _choice.choose("tile", platform, _selection.parse_selection("auto"), avals,
                             dim=0, count=2)
     why = {"cuda": "unmeasured on sm_90", "tpu": "nothing measured on tpu"}[platform]
     assert auto.kernel.backend == "xla" and why in auto.describe()

@@ -142,10 +142,10 @@ def _why(fn, *args, platform="cuda"):
 LSE_CASES = {"cuda": (jax.ShapeDtypeStruct((4096, 4096), jnp.float32), 0, "pallas 0.66x XLA")}
 
 
-def test_auto_on_tpu_quotes_the_model_and_keeps_xla():
+def test_auto_on_tpu_keeps_xla_whatever_the_model_says():
     backend, why = _why(lambda v: nx.logsumexp(v, 1), jnp.ones((64, 256), jnp.bfloat16),
                         platform="tpu")
-    assert backend == "xla" and "modelled kernel/xla 0.50" in why and "no TPU has measured" in why
+    assert backend == "xla" and "nothing measured on tpu" in why
 
 
 @pytest.mark.parametrize("platform", ["cuda"])
@@ -166,9 +166,9 @@ def test_auto_keeps_xla_where_nothing_won(measured_kernels):
     backend, why = _why(lambda a: nx.einsum("mk,kn->mn", a, a), a)
     assert backend == "xla" and "unmeasured on sm_90" in why
     backend, why = _why(lambda a: nx.einsum("mk,kn->mn", a, a), a, platform="tpu")
-    assert backend == "xla" and "prefetch" in why   # its decode wins are a model limit
+    assert backend == "xla" and "nothing measured on tpu" in why
     backend, why = _why(lambda a: nx.max(a, 0), a, platform="tpu")
-    assert backend == "xla" and "TPU" in why
+    assert backend == "xla" and "nothing measured on tpu" in why
     # columns on cuda: the kernel where the H200 measured it winning (bf16 sums
     # at 4096^2: 0.84x), XLA where it lost (f32: 1.32x) or nothing was measured
     big = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)

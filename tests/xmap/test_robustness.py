@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import nxops as nx
+from nxops.kernels import _selection
 
 AUTO = jax.sharding.AxisType.Auto
 
@@ -192,12 +193,12 @@ def test_pdot_with_non_tuple_dims_raises_an_nxops_error():
 
 
 def test_empty_nxops_kernels_means_auto():
-    assert str(nx.kernels.parse_selection("")) == str(nx.kernels.parse_selection("auto"))
-    run = subprocess.run([sys.executable, "-c", "import nxops; print(nxops.kernels.current_selection())"],
+    assert str(_selection.parse_selection("")) == str(_selection.parse_selection("auto"))
+    run = subprocess.run([sys.executable, "-c", "import nxops; print(nxops.kernels._selection.current_selection())"],
                          capture_output=True, text=True, timeout=120,
                          env={**__import__("os").environ, "NXOPS_KERNELS": "", "JAX_PLATFORMS": "cpu"})
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.strip() == str(nx.kernels.parse_selection("auto"))
+    assert run.stdout.strip() == str(_selection.parse_selection("auto"))
 
 
 def test_explain_from_several_threads_reports_only_its_own_kernels():

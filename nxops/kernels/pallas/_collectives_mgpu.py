@@ -12,7 +12,6 @@ XLA's NCCL collectives.
 from __future__ import annotations
 
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -20,13 +19,14 @@ import numpy as np
 from jax import lax
 
 from nxops.kernels import _gpu_target
+from nxops import _config
 
 OPT_IN_VARIABLE = "NXOPS_MGPU_COLLECTIVES"
 DTYPES = frozenset(map(np.dtype, (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32)))
 
 
 def enabled() -> bool:
-    return os.environ.get(OPT_IN_VARIABLE, "") not in ("", "0")
+    return _config.mgpu_collectives()
 
 
 def _num_blocks() -> int:

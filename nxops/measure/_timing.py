@@ -1,31 +1,23 @@
-"""Times every case of the measured tables on the GPU at hand, from a
-``jax.profiler`` trace, and rewrites the tables (``ci/gpu.sh``, section b).
+"""Times a case under each backend on the GPU at hand, from a
+``jax.profiler`` trace.
 
-    python -m bench.gpu_time --out DIR [--calls 20] [--table-dir DIR] [--dry]
+Per case and backend (xla, pallas, triton, and auto for the report), the
+compiled program runs ``calls`` times inside one trace annotation; its time
+is the GPU time of every event on the device's stream lines within that
+annotation, divided by ``calls`` (wall clock on small ops measures dispatch).
+XLA runs beside each backend in the same trace. Each result is checked
+against XLA's (float32 ``rel_err``).
 
-Per case (bench/gpu_cases.py) and backend (xla, pallas, triton, and auto for
-the report), the compiled program runs ``calls`` times inside one trace
-annotation; its time is the GPU time of every event on the device's stream
-lines within that annotation, divided by ``calls`` (wall clock on small ops
-measures dispatch). XLA runs beside each backend in the same trace. Each
-result is checked against XLA's (float32 ``rel_err``). Lines go to
-``DIR/run.jsonl`` as they come (the format ``bench/measured_table.py``
-reads), then the tables are merged into ``--table-dir`` (default: the
-package's, the ones `auto` reads) and ``DIR/measured/``, and
-``DIR/measured_report.md`` says what `auto` picks now.
-
-``--dry`` (CI, CPU): every case at 1/64 of its size, xla and auto, Pallas
-(interpreted) on a few; host times stand in for GPU times and the table is
-written for a fake architecture (sm_0) under DIR only.
+With ``fake=True`` (``--dry``, on CPU) everything runs as on a GPU, the
+trace included, but the times come from ``fake_us``: fixed ratios, no
+measurement of anything, so that a dry run's table is the same on every
+machine and has a kernel win to read back.
 """
 from __future__ import annotations
 
-import argparse
-import datetime
 import glob
 import gzip
 import json
-import pathlib
 import tempfile
 import time
 
@@ -34,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import nxops as nx
-from bench import gpu_cases, measured_table
 from nxops.kernels import _measured
+from nxops.measure import _cases as gpu_cases
 
 BACKENDS = ("xla", "pallas", "triton", "auto")
 # Trace lines that are summaries of the stream lines, not more device time.
@@ -76,6 +68,18 @@ def _compile(case: gpu_cases.GpuCase, backend: str):
     return compiled, ",".join(chosen)
 
 
+def lowers_for_cuda(case: gpu_cases.GpuCase, backend: str) -> str:
+    """Lowers ``case`` for cuda under ``backend``, deviceless (``--dry``: the
+    kernels' GPU path up to the custom call, e.g. jax-triton with this
+    triton): "ok", or why the backend cannot take the case here."""
+    try:
+        with nx.kernels.use(backend):
+            jax.jit(case.fn).trace(*case.args()).lower(lowering_platforms=("cuda",))
+    except nx.NxopsError as e:
+        return str(e).split(". ")[0]
+    return "ok"
+
+
 def _rel_err(got, want) -> float:
     got = np.concatenate([np.asarray(g, np.float32).ravel() for g in jax.tree.leaves(got)])
     want = np.concatenate([np.asarray(w, np.float32).ravel() for w in jax.tree.leaves(want)])
@@ -92,7 +96,21 @@ def _tolerance(case: gpu_cases.GpuCase) -> float:
         else 1e-4
 
 
-def time_case(case: gpu_cases.GpuCase, backends, calls: int) -> list[dict]:
+# ``fake_us``'s kernel time relative to XLA's, per backend.
+FAKE_RATIOS = {"xla": 1.0, "pallas": 0.8, "triton": 0.9}
+FAKE_DEVICE = "fake GPU (nxops.measure --dry)"
+
+
+def fake_us(case: gpu_cases.GpuCase, backend: str, chosen: str) -> float:
+    """A deterministic stand-in for a device time: the operands' bytes at
+    1 byte/ns, times the backend's ``FAKE_RATIOS`` (auto: its chosen kernels')."""
+    nbytes = sum(np.dtype(d).itemsize * int(np.prod(s)) for s, d in case.shapes)
+    used = {name.split(":")[0] for name in chosen.split(",") if name} if backend == "auto" \
+        else {backend}
+    return nbytes / 1e3 * max(FAKE_RATIOS.get(b, 1.0) for b in used or {"xla"})
+
+
+def time_case(case: gpu_cases.GpuCase, backends, calls: int, fake: bool = False) -> list[dict]:
     """One trace, every backend's calls in an annotation of their own."""
     args = case.arrays()
     runs, lines = {}, []
@@ -129,6 +147,8 @@ def time_case(case: gpu_cases.GpuCase, backends, calls: int) -> list[dict]:
     for backend, (_, chosen) in runs.items():
         lo, hi = windows[backend]
         busy = sum(e["dur"] for e in events if lo <= e["ts"] <= hi)
+        if fake:
+            busy, source = fake_us(case, backend, chosen) * calls, "fake timer (--dry)"
         err = _rel_err(out[backend], reference) if reference is not None else float("nan")
         lines.append({"backend": backend, "kern_us": busy / calls, "wall_us": walls[backend] * 1e6,
                       "rel_err": err, "correct": bool(err <= _tolerance(case)), "chosen": chosen,
@@ -138,11 +158,14 @@ def time_case(case: gpu_cases.GpuCase, backends, calls: int) -> list[dict]:
     return [dict(line, section=case.section, case=case.name) for line in lines]
 
 
-def _device_fields(dry: bool) -> dict:
+def device_fields(fake: bool) -> dict:
+    """The device a run's lines name: with ``fake``, a GPU of the default
+    target's architecture (the one a deviceless ``explain`` reads)."""
+    from nxops.kernels import _gpu_target  # noqa: PLC0415
+    if fake:
+        return {"device": FAKE_DEVICE, "compute_capability": _gpu_target.DEFAULT_COMPUTE_CAPABILITY}
     device = jax.devices()[0]
-    from nxops.kernels._gpu_target import capability_of
-    capability = 0 if dry else capability_of(device)
-    return {"device": device.device_kind, "compute_capability": capability}
+    return {"device": device.device_kind, "compute_capability": _gpu_target.capability_of(device)}
 
 
 def report(lines: list[dict]) -> str:
@@ -168,7 +191,7 @@ def report(lines: list[dict]) -> str:
 
 
 def summary(lines: list[dict]) -> str:
-    """The short table ``ci/gpu.sh`` prints last: how many cases ran and were
+    """The short table a run prints last: how many cases ran and were
     correct, and every case where a kernel measured <= THRESHOLD of XLA."""
     xla = {(l["section"], l["case"]): l["kern_us"] for l in lines if l["backend"] == "xla"}
     wins = [(l["section"], l["case"], l["backend"], l["kern_us"] / xla[(l["section"], l["case"])])
@@ -189,51 +212,3 @@ def _fused_vs_unfused(lines: list[dict]) -> list[str]:
     ratios = [f"{b} {times[fused, b] / times[unfused, b]:.2f}" for b in BACKENDS
               if times.get((fused, b)) and times.get((unfused, b))]
     return [f"cross-entropy fused / unfused (value_and_grad): {', '.join(ratios)}"] if ratios else []
-
-
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=pathlib.Path, required=True)
-    parser.add_argument("--calls", type=int, default=20)
-    parser.add_argument("--table-dir", type=pathlib.Path, default=_measured.TABLE_DIR)
-    parser.add_argument("--dry", action="store_true")
-    parser.add_argument("-k", default="", help="only cases whose name contains this")
-    args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    scale, calls = (64, 2) if args.dry else (1, args.calls)
-    fields = dict(_device_fields(args.dry), run="gpu_time",
-                  date=datetime.date.today().isoformat())
-    lines, path = [], args.out / "run.jsonl"
-    path.write_text("")
-    for case in gpu_cases.all_cases(scale):
-        if args.k not in case.name:
-            continue
-        backends = BACKENDS
-        if args.dry:   # interpreters: Pallas on a few cases, Triton's (minutes) never
-            kernels = case.name in ("rows_lse_4096x4096_f32", "cols_sum_4096x4096_f32")
-            backends = ("xla", "auto") + (("pallas",) if kernels else ())
-        started = time.perf_counter()
-        for line in time_case(case, backends, calls):
-            line = dict(fields, **line)
-            lines.append(line)
-            with path.open("a") as f:
-                f.write(json.dumps(line) + "\n")
-        print(f"{case.section}/{case.name}: {time.perf_counter() - started:.1f} s", flush=True)
-        # after every case: a run cut at its time limit keeps what it measured
-        written = _write_results(lines, fields["date"], args)
-    print(f"wrote {path}, {args.out / 'measured_report.md'}, tables {[str(t) for t in written]}")
-
-
-def _write_results(lines: list[dict], date: str, args) -> list[pathlib.Path]:
-    timed = [l for l in lines if "kern_us" in l]
-    tables = measured_table.build_tables(timed, date)
-    written = measured_table.write_tables(tables, args.out / "measured")
-    if not args.dry:   # merged into the tables `auto` reads (keys measured now replace)
-        measured_table.write_tables(tables, args.table_dir)
-    (args.out / "measured_report.md").write_text(report(timed))
-    (args.out / "summary.md").write_text(summary(timed))
-    return written
-
-
-if __name__ == "__main__":
-    main()

@@ -1,15 +1,15 @@
-"""The cases a GPU run measures, by the names its JSON lines use
-(``bench/gpu_runs/h200_2026-11-26.jsonl``; ``ci/gpu.sh`` times them all).
+"""The cases ``python -m nxops.measure`` times, by the names a run's JSON
+lines use (``bench/gpu_runs/`` holds the runs so far).
 
 Section ``kernels``: one nxops op per program, its operand a program argument.
 Section ``programs``: small whole programs around the ops (epilogues, fused
 producers, gradients, an xmapped MLP with a cross-entropy over 'classes').
-The first run's script was not kept: where a name gives no shape (programs),
-the shapes here are reconstructions (4096^2; the MLP's sizes are chosen to
-take about the run's time), said in each case's ``note``.
+Section ``cross_entropy``: ``nx.cross_entropy``'s value and gradient beside
+the unfused program it replaces. Where a name gives no shape (programs), the
+shapes here are reconstructions, said in each case's ``note``.
 
-``scale`` divides every size (at least 8 is kept): ``ci/gpu.sh --dry`` runs
-them all on CPU at ``scale=64``.
+``scale`` divides every size (at least 8 is kept): ``--dry`` runs them on CPU
+at ``scale=64``.
 """
 from __future__ import annotations
 
@@ -165,17 +165,27 @@ PROGRAM_NAMES = (
     "mlp_xmap_fwd_bf16", "mlp_xmap_grad_bf16")
 
 
-# --- the fused cross-entropy and the unfused program it replaces -----------------
-# Forward + backward (value_and_grad by h and w) at a language model's head
-# shape; `ci/gpu.sh`'s summary gives fused / unfused, both under the same
-# backend (goal: <= 1.0).
+# --- the fused cross-entropy and the unfused program it replaces ----------------
+# Forward + backward (value_and_grad by h and w) at a Llama-3 vocabulary; the
+# summary gives fused / unfused, both under the same backend (goal: <= 1.0).
 
 XENT = dict(tokens=8192, hidden=2048, vocab=128256)
 XENT_NAMES = ("xent_fused_grad_bf16", "xent_unfused_grad_bf16")
 
 
+def fused_loss(h, w, labels):
+    """The mean of ``nx.cross_entropy`` over the tokens."""
+    return jnp.mean(nx.cross_entropy(h, w, labels, hidden=1, vocab=1))
+
+
+def unfused_loss(h, w, labels):
+    """The same loss as it is written without the fused op: the logits held."""
+    logits = nx.einsum("th,hv->tv", h, w)
+    picked = jnp.take_along_axis(logits, labels[:, None], 1)[:, 0]
+    return jnp.mean(nx.logsumexp(logits, 1).astype(jnp.float32) - picked.astype(jnp.float32))
+
+
 def _xent_case(name: str, scale: int) -> GpuCase:
-    from bench.bench_cross_entropy import fused_loss, unfused_loss
     t, h, v = (max(8, XENT[k] // scale) for k in ("tokens", "hidden", "vocab"))
     loss = fused_loss if "_fused_" in name else unfused_loss
 
@@ -187,7 +197,7 @@ def _xent_case(name: str, scale: int) -> GpuCase:
 
 
 def case(section: str, name: str, scale: int = 1) -> GpuCase:
-    """The case a GPU run's line names."""
+    """The case a run's line names."""
     build = {"kernels": _kernel_case, "programs": _program_case, "cross_entropy": _xent_case}
     return build[section](name, scale)
 

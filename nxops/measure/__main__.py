@@ -1,0 +1,5 @@
+import sys
+
+from nxops.measure import main
+
+sys.exit(main())
