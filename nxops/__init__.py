@@ -11,6 +11,7 @@ check_jax_version()   # before the rest: outside the range, their imports fail o
 from nxops._errors import NxopsError  # noqa: E402
 from nxops import hlo, kernels, random
 from nxops._export import export
+from nxops.ops import attention
 from nxops.ops import (
     all_gather, all_to_all, axis_index, axis_size, cross_entropy, einsum, logsumexp, max, mean, min, one_hot,
     pdot, pmax, pmean, pmin, ppermute, prod, psum, psum_scatter, std, sum, tile, untile, var,
@@ -24,6 +25,7 @@ from nxops.xmap import SerialLoop, axis_rules, serial_loop, xmap  # noqa: E402
 __version__ = "0.1.0"
 
 __all__ = [
+    "attention",
     "NxopsError", "SerialLoop", "axis_rules", "export", "serial_loop", "xmap", "hlo", "random", "all_gather", "all_to_all", "axis_index", "axis_size", "cross_entropy", "einsum", "kernels",
     "logsumexp", "max", "mean", "min", "one_hot", "pdot", "pmax", "pmean", "pmin", "ppermute",
     "prod", "psum", "psum_scatter", "std", "sum", "tile", "untile", "var",

@@ -2,6 +2,7 @@
 from nxops.ops._collectives import (
     all_gather, all_to_all, axis_index, axis_size, one_hot, ppermute, psum_scatter, tile, untile,
 )
+from nxops.ops._attention import attention
 from nxops.ops._cross_entropy import cross_entropy
 from nxops.ops._einsum import einsum, pdot
 from nxops.ops._moments import std, var
@@ -12,3 +13,4 @@ __all__ = [
     "min", "one_hot", "pdot", "pmax", "pmean", "pmin", "ppermute", "prod", "psum", "psum_scatter",
     "std", "sum", "tile", "untile", "var",
 ]
+__all__ += ["attention"]
