@@ -82,7 +82,7 @@ def operands(shape_q, shape_k, e, dtype, seed):
     return tuple(jnp.asarray(x, dtype) for x in (q, k, v)), rng
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(batch=st.sampled_from([1, 2]), kv_heads=st.sampled_from([1, 2]), group=st.sampled_from([1, 3]),
        tq=st.sampled_from([1, 5, 13]), tk=st.sampled_from([1, 7, 13]), d=st.sampled_from([1, 4]),
        e=st.sampled_from([2, 3]), block=st.sampled_from([None, 1, 3, 4, 16]),
@@ -136,7 +136,7 @@ def test_a_query_that_sees_no_key_gives_zero_and_no_gradient():
     (q, k, v), _ = operands((4, 3), (5, 3), 2, jnp.float32, 2)
     mask = jnp.ones((4, 5), bool).at[2].set(False)
     o, lse = nx.attention(q, k, v, seq=0, mask=mask, return_lse=True)
-    assert not np.asarray(o[2]).any() and lse[2] == -jnp.inf and np.isfinite(lse[[0, 1, 3]]).all()
+    assert not np.asarray(o[2]).any() and lse[2] == -jnp.inf and np.isfinite(np.asarray(lse)[[0, 1, 3]]).all()
     dq = jax.grad(lambda q: jnp.sum(nx.attention(q, k, v, seq=0, mask=mask)))(q)
     assert not np.asarray(dq[2]).any() and np.isfinite(dq).all()
 
@@ -279,16 +279,19 @@ def test_plain_vmap_names_and_bf16_gqa():
 
 
 def test_compiled_value_and_grad_holds_no_scores():
-    """CPU, 2048 tokens: the temp of jit(value_and_grad) is far below one
-    [heads, T, T] f32 score matrix, which the materialized program holds several of."""
+    """CPU, 2048 tokens: the temp of jit(value_and_grad) is a small fraction
+    of the materialized program's, which holds [heads, T, T] score matrices."""
     heads, tokens, d = 4, 2048, 64
     struct = jax.ShapeDtypeStruct((heads, tokens, d), jnp.float32)
-    loss = lambda q, k, v: jnp.sum(nx.attention(q, k, v, seq=1, q_seq=1, causal=True,  # noqa: E731
-                                                block=256) ** 2)
-    compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(
-        struct, struct, struct).compile()
-    scores = heads * tokens * tokens * 4
-    assert compiled.memory_analysis().temp_size_in_bytes < scores / 8
+
+    def temp(attend):
+        loss = lambda q, k, v: jnp.sum(attend(q, k, v) ** 2)  # noqa: E731
+        compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(
+            struct, struct, struct).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+    fused = temp(lambda q, k, v: nx.attention(q, k, v, seq=1, q_seq=1, causal=True, block=256))
+    unfused = temp(lambda q, k, v: materialized(q[:, None], k, v, causal=True)[0])
+    assert unfused > 2 * heads * tokens * tokens * 4 and fused < unfused / 15, (fused, unfused)
 
 
 # --- errors ---------------------------------------------------------------------------
