@@ -14,7 +14,7 @@ online (max, sum of exp, weighted sum of values) carry; a block pair that the
 causal mask hides wholly is skipped (``lax.cond``). The backward
 (``jax.custom_vjp``) recomputes each block's probabilities from the saved
 logsumexp, as FlashAttention-2 does, and accumulates dq, dk, dv (and the
-bias's gradient) in f32. Dots take the inputs' dtype and accumulate in f32;
+bias's gradient) in f32: dq whole, dk and dv one key block at a time. Dots take the inputs' dtype and accumulate in f32;
 the probabilities (and their gradients) meet ``v`` (``q``, ``k``) in the
 inputs' dtype, as the materialized program's dots would take them.
 
@@ -128,7 +128,11 @@ def _forward(q, k, v, q_pos, k_pos, bias, *, scale, causal, block):
 
 
 def _backward(q, k, v, q_pos, k_pos, bias, out, g, *, scale, causal, block):
-    """(dq, dk, dv, dbias) for the cotangent ``g`` [B, Tq, E + 1] of ``out``."""
+    """(dq, dk, dv, dbias) for the cotangent ``g`` [B, Tq, E + 1] of ``out``.
+
+    FlashAttention-2's order: the outer loop over key blocks holds one block's
+    dk, dv in f32 and writes them out once; the inner loop over query blocks
+    adds each block's share into dq, the only whole f32 accumulator."""
     tq, tk = q.shape[1], k.shape[1]
     qb, kb = _Blocks(tq, block_size(tq, block)), _Blocks(tk, block_size(tk, block))
     o, lse = out[..., :-1], out[..., -1]
@@ -136,60 +140,61 @@ def _backward(q, k, v, q_pos, k_pos, bias, out, g, *, scale, causal, block):
     # d(score) = p * (d(p) - rowsum(d(o) * o) + d(lse)): the softmax's Jacobian
     # with the logsumexp's own cotangent folded into the per-row constant.
     row_term = g_lse - jnp.sum(g_o * o, axis=2)
-    # A query that sees no key has lse -inf and no gradient: exp(-inf - 0) = 0.
+    # A query that sees no key has lse -inf and no gradient: exp(-inf - inf) = 0.
     lse = jnp.where(jnp.isfinite(lse), lse, jnp.inf)
+    g_o = g_o.astype(v.dtype)
 
-    def query_block(i, carry):
-        dk, dv, dbias, dq = carry
-        q_blk, qp = qb.take(q, i), qb.take(q_pos, i)
-        lse_blk, row_blk = qb.take(lse, i), qb.take(row_term, i)
-        g_blk = qb.take(g_o, i).astype(v.dtype)
-        new_rows = qb.new(i)[None, :, None]
-        bias_rows = None if bias is None else qb.take(bias, i)
+    def key_block(j, carry):
+        dk, dv, dq, dbias = carry
+        k_blk, v_blk, kp = kb.take(k, j), kb.take(v, j), kb.take(k_pos, j)
+        new_cols = kb.new(j)[None, None, :]
+        bias_cols = None if bias is None else kb.take(bias, j, axis=2)
 
-        def key_block(j, inner):
-            kp = kb.take(k_pos, j)
+        def query_block(i, inner):
+            qp = qb.take(q_pos, i)
 
             def compute(inner):
-                dq_blk, dk, dv, dbias = inner
-                k_blk, v_blk = kb.take(k, j), kb.take(v, j)
-                bias_blk = None if bias_rows is None else kb.take(bias_rows, j, axis=2)
+                dk_blk, dv_blk, dq, dbias = inner
+                q_blk, g_blk = qb.take(q, i), qb.take(g_o, i)
+                bias_blk = None if bias_cols is None else qb.take(bias_cols, i)
                 s = _scores(q_blk, k_blk, qp, kp, bias_blk, scale=scale, causal=causal)
-                p = jnp.exp(s - lse_blk[..., None])
+                p = jnp.exp(s - qb.take(lse, i)[..., None])
                 dp = lax.dot_general(g_blk, v_blk, (((2,), (2,)), ((0,), (0,))),
                                      preferred_element_type=jnp.float32)
-                ds = p * (dp + row_blk[..., None])
+                ds = p * (dp + qb.take(row_term, i)[..., None])
                 if dbias is not None:   # overlapping blocks write the same values again
                     db = ds if dbias.shape[0] == ds.shape[0] else jnp.sum(ds, 0, keepdims=True)
                     dbias = lax.dynamic_update_slice(dbias, db, (0, qb.start(i), kb.start(j)))
-                # Each (query, key) pair counts once: drop the rows and columns
-                # that the block before already took.
-                new_cols = kb.new(j)[None, None, :]
-                ds_k = jnp.where(new_cols, ds, 0.0).astype(q.dtype)
-                dq_blk = dq_blk + lax.dot_general(ds_k, k_blk, (((2,), (1,)), ((0,), (0,))),
+                # Each pair counts once: a query row the block before took adds
+                # nothing here. dk, dv take every column of this key block (the
+                # block overwrites its columns whole); dq, summed over key
+                # blocks, only the columns the block before did not take.
+                new_rows = qb.new(i)[None, :, None]
+                ds_rows = jnp.where(new_rows, ds, 0.0).astype(q.dtype)
+                p_rows = jnp.where(new_rows, p, 0.0).astype(v.dtype)
+                dk_blk = dk_blk + lax.dot_general(ds_rows, q_blk, (((1,), (1,)), ((0,), (0,))),
                                                   preferred_element_type=jnp.float32)
-                ds_qk = jnp.where(new_rows, ds_k, 0)
-                p_qk = jnp.where(new_rows & new_cols, p, 0.0).astype(v.dtype)
-                dk_blk = lax.dot_general(ds_qk, q_blk, (((1,), (1,)), ((0,), (0,))),
+                dv_blk = dv_blk + lax.dot_general(p_rows, g_blk, (((1,), (1,)), ((0,), (0,))),
+                                                  preferred_element_type=jnp.float32)
+                ds_pairs = jnp.where(new_cols, ds_rows, 0)
+                dq_blk = lax.dot_general(ds_pairs, k_blk, (((2,), (1,)), ((0,), (0,))),
                                          preferred_element_type=jnp.float32)
-                dv_blk = lax.dot_general(p_qk, g_blk, (((1,), (1,)), ((0,), (0,))),
-                                         preferred_element_type=jnp.float32)
-                dk = _add_rows(dk, dk_blk, kb.start(j))
-                dv = _add_rows(dv, dv_blk, kb.start(j))
-                return dq_blk, dk, dv, dbias
+                return dk_blk, dv_blk, _add_rows(dq, dq_blk, qb.start(i)), dbias
 
             return lax.cond(_visible(qp, kp, causal), compute, lambda c: c, inner)
 
-        dq_blk = jnp.zeros(q_blk.shape, jnp.float32)
-        dq_blk, dk, dv, dbias = lax.fori_loop(0, kb.count, key_block, (dq_blk, dk, dv, dbias))
-        dq = lax.dynamic_update_slice_in_dim(dq, dq_blk, qb.start(i), axis=1)
-        return dk, dv, dbias, dq
+        init = (jnp.zeros(k_blk.shape, jnp.float32), jnp.zeros(v_blk.shape, jnp.float32), dq,
+                dbias)
+        dk_blk, dv_blk, dq, dbias = lax.fori_loop(0, qb.count, query_block, init)
+        dk = lax.dynamic_update_slice_in_dim(dk, (dk_blk * scale).astype(k.dtype), kb.start(j),
+                                             axis=1)
+        dv = lax.dynamic_update_slice_in_dim(dv, dv_blk.astype(v.dtype), kb.start(j), axis=1)
+        return dk, dv, dq, dbias
 
-    init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32),
-            None if bias is None else jnp.zeros(bias.shape, jnp.float32),
-            jnp.zeros(q.shape, jnp.float32))
-    dk, dv, dbias, dq = lax.fori_loop(0, qb.count, query_block, init)
-    return (dq * scale).astype(q.dtype), (dk * scale).astype(k.dtype), dv.astype(v.dtype), dbias
+    init = (jnp.zeros(k.shape, k.dtype), jnp.zeros(v.shape, v.dtype), jnp.zeros(q.shape, jnp.float32),
+            None if bias is None else jnp.zeros(bias.shape, jnp.float32))
+    dk, dv, dq, dbias = lax.fori_loop(0, kb.count, key_block, init)
+    return (dq * scale).astype(q.dtype), dk, dv, dbias
 
 
 def _add_rows(acc, rows, start):
