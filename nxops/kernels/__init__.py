@@ -1,7 +1,7 @@
 """Kernel selection and the registry of implementations (``nx.kernels``).
 
 ``NXOPS_KERNELS`` (read at import) or ``nx.kernels.use(...)`` selects, per op
-family (reduce, einsum, tile, collective, cross_entropy), the backend: ``auto`` (default),
+family (reduce, einsum, tile, collective, cross_entropy, attention), the backend: ``auto`` (default),
 ``xla``, ``pallas`` or ``triton``.
 
 The contract with ``nxops.ops`` (the only layer above) is this module's names:
