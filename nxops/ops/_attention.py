@@ -194,8 +194,8 @@ def _as_scores(x, what, seq, vmap_names, token_shape, batch_ndim, keys):
     except ValueError:
         shape = None
     if shape != want:
-        raise NxopsError(f"{OP}: {what} has shape {tuple(x.shape)} (with the keys' sequence "
-                         f"{seq!r} last); it must broadcast to the scores' shape {want} "
+        raise NxopsError(f"{OP}: {what} has shape {tuple(x.shape)} (the keys' sequence "
+                         f"{seq!r} as its last dim); it must broadcast to the scores' shape {want} "
                          f"(q's shape without the head dim, then the keys).")
     shared = all(d == 1 for d in ((1,) * (len(want) - x.ndim) + tuple(x.shape))[:batch_ndim])
     lead = (1,) * batch_ndim if shared else token_shape[:batch_ndim]

@@ -263,6 +263,58 @@ def test_keys_on_mesh_hlo_combines_with_one_pmax_one_psum():
     assert all(np.prod(s) <= per_query * (E + 1) for c in found for s in c.result_shapes), found
 
 
+def test_queries_and_keys_on_one_mesh_axis_gather_the_keys_once():
+    """Queries and keys over the same 4 devices: the forward's collectives
+    are all-gathers of the keys, values and key positions (each device's
+    queries meet every key; no all-reduce mixes different queries)."""
+    mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
+    args, _, _ = named_operands()
+    with jax.set_mesh(mesh):
+        text = jax.jit(xmapped({"qs": "y", "s": "y"}, bias=False)).lower(
+            *args[:3]).compile().as_text()
+    found = nx.hlo.collectives(text)
+    assert found and {c.kind for c in found} == {"all-gather"}, found
+    assert sum(np.prod(s) for c in found for s in c.result_shapes) <= \
+        B * KVH * T * (D + E + 1), found
+
+
+LAYER_PLACEMENTS = {"none": {}, "batch x": {"b": "x"}, "sequence y": {"seq": "y"},
+                    "batch x, sequence y": {"b": "x", "seq": "y"}}
+
+
+@pytest.mark.parametrize("placement", sorted(LAYER_PLACEMENTS))
+def test_causal_layer_one_sequence_name_every_placement(placement):
+    """A residual attention layer whose queries and keys share one named
+    sequence: loss and weight gradients as the positional layer's."""
+    batch, tokens, model, heads = 2, 12, 8, 2
+    hd = model // heads
+    keys = jax.random.split(jax.random.key(4), 3)
+    x = jax.random.normal(keys[0], (batch, tokens, model))
+    w_qkv = jax.random.normal(keys[1], (3, model, heads, hd)) / model**0.5
+    w_out = jax.random.normal(keys[2], (heads, hd, model)) / model**0.5
+
+    def token(x, w_qkv, w_out):     # x [model]: one (batch, sequence) position
+        q, k, v = (jnp.einsum("m,mhd->hd", x, w) for w in w_qkv)
+        o = nx.attention(q, k, v, seq="seq", q_seq="seq", causal=True, block=5)
+        return x + jnp.einsum("hd,hdm->m", o, w_out)
+    layer = nx.xmap(token, [["b", "seq", None], [...], [...]], ["b", "seq", None],
+                    axis_resources=LAYER_PLACEMENTS[placement])
+
+    def positional(x, w_qkv, w_out):
+        q, k, v = (jnp.einsum("btm,mhd->bhtd", x, w) for w in w_qkv)
+        o = materialized(q[:, :, None], k, v, causal=True)[0][:, :, 0]
+        return x + jnp.einsum("bhtd,hdm->btm", o, w_out)
+
+    def loss(layer_fn):
+        return lambda w_qkv, w_out: jnp.mean(layer_fn(x, w_qkv, w_out) ** 2)
+    mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
+    with jax.set_mesh(mesh):
+        got = jax.jit(jax.value_and_grad(loss(layer), argnums=(0, 1)))(w_qkv, w_out)
+    want = jax.value_and_grad(loss(positional), argnums=(0, 1))(w_qkv, w_out)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert_close(g, r, scale=4)
+
+
 def test_plain_vmap_names_and_bf16_gqa():
     """Outside xmap: heads and groups as jax.vmap names, bf16."""
     (q, k, v), _ = operands((T, KVH, G, D), (T, KVH, D), E, jnp.bfloat16, 3)
