@@ -8,7 +8,7 @@ and never run, so the large size (batch 1, 16 heads, 8192 tokens, head dim
 the ``compile`` extra is installed.
 
 Time: CPU wall time of the forward and of ``value_and_grad`` at 2048 tokens,
-8 heads, head dim 64, f32, causal and not: the programs run interleaved
+8 heads, head dim 64, f32 (the medium size), causal and not: the programs run interleaved
 (one call of each per round) and each reports its median over the rounds.
 The machine these figures come from is shared: they are noisy.
 
@@ -42,8 +42,12 @@ class Size:
 
 
 MEMORY_SIZES = {"small": Size(4, 1024, 64, "bfloat16"), "large": Size(16, 8192, 128, "bfloat16")}
-TIME_SIZE = Size(8, 2048, 64, "float32")
+TIME_SIZES = {"small": Size(2, 256, 32, "float32"), "medium": Size(8, 2048, 64, "float32")}
 GOAL = 0.03   # fused temp at most 3% of the materialized program's (at the large size)
+# At 1024 tokens one 512 x 512 block is a quarter of the scores, and the
+# backward holds a few of them: the small size only checks that the fused
+# program holds well under the materialized one.
+SMALL_LIMIT = 0.5
 
 
 # --- the three programs: q, k, v are [batch, heads, tokens, head_dim] ---------------
@@ -191,7 +195,7 @@ def _record(benchmark, size_name, target, figures):
 def test_memory_cpu(benchmark, size_name):
     figures = benchmark.pedantic(cpu_memory, (MEMORY_SIZES[size_name],), rounds=1, iterations=1)
     _record(benchmark, size_name, "cpu", figures)
-    limit = GOAL if size_name == "large" else 0.25
+    limit = GOAL if size_name == "large" else SMALL_LIMIT
     assert figures["nx.attention"] <= limit * figures["materialized"], figures
 
 
@@ -201,14 +205,15 @@ def test_memory_h100(benchmark, size_name):
         pytest.skip("no deviceless CUDA compile here (needs the compile extra)")
     figures = benchmark.pedantic(h100_memory, (MEMORY_SIZES[size_name],), rounds=1, iterations=1)
     _record(benchmark, size_name, "h100", figures)
-    limit = GOAL if size_name == "large" else 0.25
+    limit = GOAL if size_name == "large" else SMALL_LIMIT
     assert figures["nx.attention"] <= limit * figures["materialized"], figures
 
 
+@pytest.mark.parametrize("size_name", ["small", "medium"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_time_cpu(benchmark, causal):
-    """value_and_grad at the time size (recorded; the three agree)."""
-    size = dataclasses.replace(TIME_SIZE, causal=causal)
+def test_time_cpu(benchmark, causal, size_name):
+    """value_and_grad (recorded, with the interleaved medians; the three agree)."""
+    size = dataclasses.replace(TIME_SIZES[size_name], causal=causal)
     args = operands(size)
     programs = steps(size, backward=True)
     results = {name: fn(*args) for name, fn in programs.items()}
@@ -225,4 +230,4 @@ def test_time_cpu(benchmark, causal):
 if __name__ == "__main__":
     print(memory_table(MEMORY_SIZES["large"]))
     print()
-    print(time_table(TIME_SIZE))
+    print(time_table(TIME_SIZES["medium"]))
