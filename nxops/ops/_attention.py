@@ -7,11 +7,12 @@ the keys' global positions (``nx.axis_index``) beside them. Every other
 vmapped name reaches the primitive's batching rule: a name that only the
 queries vary along (query positions, the query heads of a key/value head's
 group) becomes more query rows; one the keys vary along too (batch, heads)
-becomes a batch member. Key names on mesh axes that the queries vary along
-too are gathered (every device holds its queries and all keys); on mesh
-axes the queries do not vary along, each device attends to its key shard,
-and one ``pmax`` and one ``psum`` of per-query rows (the weighted outputs
-and the sum of weights) combine the shards.
+becomes a batch member. Along key names' mesh axes that the queries vary
+along too, the key shards pass around a ring of ``ppermute``s (gathered
+instead where a bias or mask comes with them); along mesh axes the queries
+do not vary along, each device attends to its key shard, and one ``pmax``
+and one ``psum`` of per-query rows (the weighted outputs and the sum of
+weights) combine the shards.
 """
 from __future__ import annotations
 
@@ -234,6 +235,38 @@ def _gather_keys(k, v, k_pos, bias, names):
             None if bias is None else gather(bias, -1))
 
 
+def _ring(operands, names, params):
+    """(output, logsumexp) of the local queries against every key shard of
+    mesh axes ``names``: the key, value and position shards pass around the
+    ring (n - 1 ``ppermute``s each), one local pass per shard, merged by
+    their logsumexps. Differentiated by JAX: each pass's backward is the
+    kernel's, and the ``ppermute``s transpose to the reverse ring, which
+    carries dk and dv home."""
+    q, k, v, q_pos, k_pos = operands
+    count = math.prod(_axis_env.physical_axis_size(n) for n in names)
+    ring = [(i, (i + 1) % count) for i in range(count)]
+    o = lse = None
+    for step in range(count):
+        out = _bind(q, k, v, q_pos, k_pos, None, **params)
+        o, lse = _merged(o, lse, out[..., :-1], out[..., -1])
+        if step < count - 1:
+            k, v, k_pos = (lax.ppermute(x, names, ring) for x in (k, v, k_pos))
+    return o, lse
+
+
+def _merged(o, lse, o_new, lse_new):
+    """The softmax-weighted mean of two partial outputs, and their logsumexp."""
+    if o is None:
+        return o_new, lse_new
+    top = lax.stop_gradient(jnp.maximum(lse, lse_new))
+    shift = jnp.where(jnp.isfinite(top), top, 0.0)
+    old_weight, new_weight = jnp.exp(lse - shift), jnp.exp(lse_new - shift)
+    total = old_weight + new_weight
+    safe = jnp.where(total > 0, total, 1.0)
+    o = (o * old_weight[..., None] + o_new * new_weight[..., None]) / safe[..., None]
+    return o, jnp.where(total > 0, shift + jnp.log(safe), -jnp.inf)
+
+
 def _combine_key_shards(out, mesh_names):
     """The output and logsumexp over all key shards from each shard's: one
     pmax of the logsumexp and one psum of the weighted outputs with their weights."""
@@ -308,7 +341,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, seq: str | int,
     along_queries = _query_mesh_axes(seq, q_seq, q, q_pos, mesh_names)
     gathered = tuple(n for n in mesh_names if n in along_queries)
     sharded = tuple(n for n in mesh_names if n not in along_queries)
-    if gathered:
+    ring = gathered if scores_bias is None else ()
+    if gathered and not ring:
         k, v, k_pos, scores_bias = _gather_keys(k, v, k_pos, scores_bias, gathered)
         keys = k.shape[-2]
     if sharded:
@@ -321,8 +355,12 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, seq: str | int,
                 jnp.broadcast_to(k_pos, (batch, keys)))
     operands = match_varying(*operands, *(() if scores_bias is None else (scores_bias,)))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    out = _bind(*operands[:5], operands[5] if len(operands) > 5 else None, scale=scale,
-                causal=bool(causal), block=block, kernels=selection_param())
+    params = dict(scale=scale, causal=bool(causal), block=block, kernels=selection_param())
+    if ring:
+        o, lse = _ring(operands, ring, params)
+        out = jnp.concatenate([o, lse[..., None]], -1)
+    else:
+        out = _bind(*operands[:5], operands[5] if len(operands) > 5 else None, **params)
     if sharded:
         o, lse = _combine_key_shards(out, sharded)
     else:

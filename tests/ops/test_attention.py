@@ -5,6 +5,8 @@ blocks, GQA, bias, mask, causal, dtypes) and named under every placement
 from __future__ import annotations
 
 import functools
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -162,7 +164,8 @@ PLACEMENTS = {
 
 
 # One value cannot be split along one mesh axis twice: the [queries, keys]
-# bias cannot go where both sequences share a mesh axis (the ring's placement).
+# bias cannot go where both sequences share a mesh axis (the ring's placement;
+# with a bias the keys are gathered instead, see the one-name layer test).
 WITHOUT_BIAS = {"queries and keys on y"}
 
 
@@ -263,19 +266,41 @@ def test_keys_on_mesh_hlo_combines_with_one_pmax_one_psum():
     assert all(np.prod(s) <= per_query * (E + 1) for c in found for s in c.result_shapes), found
 
 
-def test_queries_and_keys_on_one_mesh_axis_gather_the_keys_once():
-    """Queries and keys over the same 4 devices: the forward's collectives
-    are all-gathers of the keys, values and key positions (each device's
-    queries meet every key; no all-reduce mixes different queries)."""
+def ring_permutes(step):
+    """(elements each device passes in collective-permutes, the kinds of the
+    other collectives) of the compiled ``step``, queries and keys on the 4
+    devices of mesh axis y."""
     mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
     args, _, _ = named_operands()
     with jax.set_mesh(mesh):
-        text = jax.jit(xmapped({"qs": "y", "s": "y"}, bias=False)).lower(
-            *args[:3]).compile().as_text()
-    found = nx.hlo.collectives(text)
-    assert found and {c.kind for c in found} == {"all-gather"}, found
-    assert sum(np.prod(s) for c in found for s in c.result_shapes) <= \
-        B * KVH * T * (D + E + 1), found
+        text = jax.jit(step).lower(*args[:3]).compile().as_text()
+    moved, others = 0, set()
+    for shape, kind in re.findall(r"= \w+\[([\d,]*)\]\S* ([a-z-]+)\(", text):
+        if kind in ("collective-permute", "collective-permute-start"):
+            moved += math.prod(int(d) for d in shape.split(",") if d)
+        elif kind in ("all-gather", "all-reduce", "all-to-all", "reduce-scatter"):
+            others.add(kind)
+    return moved, others
+
+
+def test_ring_passes_each_key_and_value_shard_n_minus_1_times():
+    """Queries and keys on the same 4 devices: the forward's only collectives
+    are the ring's ppermutes, each device passing its key, value and position
+    shards 3 times; the backward passes dk and dv around the reverse ring as
+    often. (The gradients' all-gathers at the end replicate them for the
+    unsharded arguments: the jit's, not the op's.)"""
+    n = 4
+    ring = xmapped({"qs": "y", "s": "y"}, bias=False)
+    shard = (n - 1) * (T // n)       # key positions passed per device
+    moved, others = ring_permutes(ring)
+    assert not others, others
+    assert shard * B * KVH * (D + E) <= moved <= shard * (B * KVH * (D + E) + 1), moved
+
+    def values_and_grads(q, k, v):   # no loss to all-reduce: the cotangents are ones
+        out, pullback = jax.vjp(ring, q, k, v)
+        return out, pullback(jax.tree.map(jnp.ones_like, out))
+    moved_with_grads, _ = ring_permutes(values_and_grads)
+    assert moved_with_grads - moved == shard * B * KVH * (D + E), (moved, moved_with_grads)
 
 
 LAYER_PLACEMENTS = {"none": {}, "batch x": {"b": "x"}, "sequence y": {"seq": "y"},
