@@ -118,6 +118,30 @@ def h100_memory(size: Size) -> dict[str, int]:
         return {name: temp_bytes(attend, size, sharding) for name, attend in PROGRAMS.items()}
 
 
+RING_DEVICES = 8
+
+
+def ring_memory(size: Size) -> dict[str, int]:
+    """Per-device temp with the queries' and keys' sequence over 8 CPU devices
+    (ring attention), and the same program on one device."""
+    def body(q, k, v):
+        return nx.attention(q, k, v, seq="s", q_seq="qs", causal=size.causal)
+    figures = {}
+    for name, resources in (("one device", {}), ("ring", {"qs": "d", "s": "d"})):
+        attend = nx.xmap(body, [["b", "h", "qs", None], ["b", "h", "s", None],
+                                ["b", "h", "s", None]], ["b", "h", "qs", None],
+                         axis_resources=resources)
+        devices = jax.devices("cpu")[:RING_DEVICES if resources else 1]
+        mesh = jax.make_mesh((len(devices),), ("d",), devices=devices)
+        # The arguments sharded as the xmap wants them: no gather of the
+        # gradients into replicated results.
+        sequence = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+            None, None, "d" if resources else None))
+        with jax.set_mesh(mesh):
+            figures[name] = temp_bytes(lambda q, k, v, causal: attend(q, k, v), size, sequence)
+    return figures
+
+
 def memory_table(size: Size) -> str:
     rows = [("CPU", cpu_memory(size))]
     if _cuda_compile_available():

@@ -239,25 +239,31 @@ def _ring(operands, names, params):
     """(output, logsumexp) of the local queries against every key shard of
     mesh axes ``names``: the key, value and position shards pass around the
     ring (n - 1 ``ppermute``s each), one local pass per shard, merged by
-    their logsumexps. Differentiated by JAX: each pass's backward is the
-    kernel's, and the ``ppermute``s transpose to the reverse ring, which
-    carries dk and dv home."""
+    their logsumexps. A scan, so that one pass's temporaries are live at a
+    time. Differentiated by JAX: each pass's backward is the kernel's, and
+    the ``ppermute``s transpose to the reverse ring, which carries dk and dv
+    home."""
     q, k, v, q_pos, k_pos = operands
     count = math.prod(_axis_env.physical_axis_size(n) for n in names)
     ring = [(i, (i + 1) % count) for i in range(count)]
-    o = lse = None
-    for step in range(count):
+
+    def attend(o, lse, k, v, k_pos):
         out = _bind(q, k, v, q_pos, k_pos, None, **params)
-        o, lse = _merged(o, lse, out[..., :-1], out[..., -1])
-        if step < count - 1:
-            k, v, k_pos = (lax.ppermute(x, names, ring) for x in (k, v, k_pos))
-    return o, lse
+        return _merged(o, lse, out[..., :-1], out[..., -1])
+
+    def step(carry, _):
+        o, lse, k, v, k_pos = carry
+        o, lse = attend(o, lse, k, v, k_pos)
+        return (o, lse, *(lax.ppermute(x, names, ring) for x in (k, v, k_pos))), None
+
+    o = jnp.zeros((*q.shape[:-1], v.shape[-1]), jnp.float32)
+    lse = jnp.full(q.shape[:-1], -jnp.inf, jnp.float32)
+    (o, lse, k, v, k_pos), _ = lax.scan(step, (o, lse, k, v, k_pos), length=count - 1)
+    return attend(o, lse, k, v, k_pos)
 
 
 def _merged(o, lse, o_new, lse_new):
     """The softmax-weighted mean of two partial outputs, and their logsumexp."""
-    if o is None:
-        return o_new, lse_new
     top = lax.stop_gradient(jnp.maximum(lse, lse_new))
     shift = jnp.where(jnp.isfinite(top), top, 0.0)
     old_weight, new_weight = jnp.exp(lse - shift), jnp.exp(lse_new - shift)

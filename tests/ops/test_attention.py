@@ -267,19 +267,31 @@ def test_keys_on_mesh_hlo_combines_with_one_pmax_one_psum():
 
 
 def ring_permutes(step):
-    """(elements each device passes in collective-permutes, the kinds of the
-    other collectives) of the compiled ``step``, queries and keys on the 4
-    devices of mesh axis y."""
+    """(elements each device passes in ppermutes, counting a scan's length,
+    the other collectives' names) in the jaxpr of ``step``, the queries and
+    keys on the 4 devices of mesh axis y."""
     mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
     args, _, _ = named_operands()
     with jax.set_mesh(mesh):
-        text = jax.jit(step).lower(*args[:3]).compile().as_text()
+        jaxpr = jax.make_jaxpr(step)(*args[:3]).jaxpr
     moved, others = 0, set()
-    for shape, kind in re.findall(r"= \w+\[([\d,]*)\]\S* ([a-z-]+)\(", text):
-        if kind in ("collective-permute", "collective-permute-start"):
-            moved += math.prod(int(d) for d in shape.split(",") if d)
-        elif kind in ("all-gather", "all-reduce", "all-to-all", "reduce-scatter"):
-            others.add(kind)
+
+    def walk(jaxpr, times):
+        nonlocal moved
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            if name == "ppermute":
+                moved += times * sum(math.prod(v.aval.shape) for v in eqn.outvars)
+            elif name in ("all_gather", "psum", "pmax", "all_to_all", "reduce_scatter",
+                          "psum_invariant"):
+                others.add(name)
+            inner_times = times * eqn.params.get("length", 1) if name == "scan" else times
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (tuple, list)) else (param,):
+                    sub = getattr(sub, "jaxpr", sub)
+                    if hasattr(sub, "eqns"):
+                        walk(sub, inner_times)
+    walk(jaxpr, 1)
     return moved, others
 
 
@@ -287,8 +299,7 @@ def test_ring_passes_each_key_and_value_shard_n_minus_1_times():
     """Queries and keys on the same 4 devices: the forward's only collectives
     are the ring's ppermutes, each device passing its key, value and position
     shards 3 times; the backward passes dk and dv around the reverse ring as
-    often. (The gradients' all-gathers at the end replicate them for the
-    unsharded arguments: the jit's, not the op's.)"""
+    often."""
     n = 4
     ring = xmapped({"qs": "y", "s": "y"}, bias=False)
     shard = (n - 1) * (T // n)       # key positions passed per device
