@@ -139,6 +139,13 @@ def _keys_seq_before_head(k, v, seq):
         raise NxopsError(f"{OP}: k has shape {tuple(k.shape)} and v {tuple(v.shape)}; both need "
                          f"the head dim as their last positional dim.")
     if isinstance(seq, str):
+        logical = _axis_env.current_logical_axes().get(seq)
+        if logical is not None and logical.loops:
+            raise NxopsError(
+                f"{OP}: the keys' sequence {seq!r} runs on the serial loop "
+                f"{logical.loops[0].name!r}: each loop step holds only its chunk of keys, and "
+                f"every query needs all of them. Loop over the queries instead: give them "
+                f"their own name in in_axes (q_seq=...) and map that one to the loop.")
         vmap_names, mesh_names = _resolve_name(seq, what="seq", op=OP)
         k = _along_vmap_names(k[..., None, :], "gather", vmap_names, k.ndim - 1)
         v = _along_vmap_names(v[..., None, :], "gather", vmap_names, v.ndim - 1)
