@@ -172,6 +172,12 @@ def _check_shapes(q, k, v, seq):
             f"{OP}: q has shape {tuple(q.shape)} and k {tuple(k.shape)} (seq {seq!r} before the "
             f"head dim): q must be (*batch, *queries, head) with k's batch dims {tuple(batch)} "
             f"first and k's head dim {k.shape[-1]} last.")
+    lengths = (*q.shape[len(batch):-1], k.shape[-2])
+    if not all(isinstance(n, int) for n in lengths):
+        raise NxopsError(f"{OP}: q has shape {tuple(q.shape)} and k {tuple(k.shape)}: the "
+                         f"query and key lengths must be static (the blocks are sized from "
+                         f"them); export with concrete sequence lengths (batch dims may be "
+                         f"symbolic).")
     if k.shape[-2] == 0:
         raise NxopsError(f"{OP}: the keys' sequence {seq!r} has length 0 (k has shape "
                          f"{tuple(k.shape)}); a softmax over no keys is undefined.")

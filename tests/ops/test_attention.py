@@ -405,6 +405,16 @@ def test_errors_quote_shapes(kwargs, shapes, match):
         nx.attention(q, k, v, **kwargs)
 
 
+def test_symbolic_lengths_are_refused_symbolic_batch_exports():
+    t, b = jax.export.symbolic_shape("t, b")
+    fn = jax.jit(lambda q: nx.attention(q, q, q, seq=1, q_seq=1, causal=True))
+    with pytest.raises(nx.NxopsError, match="lengths must be static"):
+        jax.export.export(fn)(jax.ShapeDtypeStruct((2, t, 4), jnp.float32))
+    exported = jax.export.export(fn)(jax.ShapeDtypeStruct((b, 5, 4), jnp.float32))
+    (q, _, _), _ = operands((3, 5, 4), (3, 5, 4), 4, jnp.float32, 5)
+    assert_close(exported.call(q), materialized(q[:, None], q, q, causal=True)[0][:, 0])
+
+
 def test_errors_dtypes_and_named_axes():
     q = jnp.zeros((3, 4))
     with pytest.raises(nx.NxopsError, match="q, k, v have dtypes float32, bfloat16, float32"):
