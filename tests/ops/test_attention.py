@@ -351,6 +351,33 @@ def test_causal_layer_one_sequence_name_every_placement(placement):
         assert_close(g, r, scale=4)
 
 
+@pytest.mark.parametrize("resources", [{}, {"seq": "y"}, {"b": "x", "seq": "y"}])
+def test_key_bias_with_one_sequence_name_gathers_the_keys(resources):
+    """One name for both sequences and a bias along it (a bias per key,
+    the same for every query): on mesh axes the keys are all-gathered, and
+    values and gradients (the bias's too) are the positional program's."""
+    (q, k, v), rng = operands((2, 12, 4), (2, 12, 4), 3, jnp.float32, 6)
+    bias = jnp.asarray(rng.standard_normal((2, 12)), jnp.float32)
+    body = lambda q, k, v, b: nx.attention(q, k, v, seq="seq", q_seq="seq", causal=True,  # noqa: E731
+                                           bias=b, block=5, return_lse=True)
+    spec = ["b", "seq", None]
+    xmapped = nx.xmap(body, [spec, spec, spec, ["b", "seq"]], [spec, spec[:-1]],
+                      axis_resources=resources)
+    c_o = jnp.asarray(rng.standard_normal((2, 12, 3)), jnp.float32)
+    c_lse = jnp.asarray(rng.standard_normal((2, 12)), jnp.float32)
+    mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
+    with jax.set_mesh(mesh):
+        got = jax.jit(value_and_grads, static_argnums=0)(xmapped, (q, k, v, bias), c_o, c_lse)
+        if resources:
+            text = jax.jit(xmapped).lower(q, k, v, bias).compile().as_text()
+            assert "all-gather" in text and "collective-permute" not in text
+
+    def reference(q, k, v, bias):
+        o, lse = materialized(q[:, None], k, v, bias[:, None, None, :], causal=True)
+        return o[:, 0], lse[:, 0]
+    assert_matches(got, value_and_grads(reference, (q, k, v, bias), c_o, c_lse), jnp.float32)
+
+
 def test_plain_vmap_names_and_bf16_gqa():
     """Outside xmap: heads and groups as jax.vmap names, bf16."""
     (q, k, v), _ = operands((T, KVH, G, D), (T, KVH, D), E, jnp.bfloat16, 3)
