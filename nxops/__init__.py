@@ -12,6 +12,7 @@ from nxops._errors import NxopsError  # noqa: E402  (after the version check)
 from nxops import _config  # noqa: E402,F401  (after the version check; validates every NXOPS_* variable)
 from nxops import hlo, kernels, random  # noqa: E402  (after the version check)
 from nxops._export import export  # noqa: E402  (after the version check)
+from nxops.ops import attention  # noqa: E402  (after the version check)
 from nxops.ops import (  # noqa: E402  (after the version check)
     all_gather, all_to_all, axis_index, axis_size, cross_entropy, einsum, logsumexp, max, mean, min, one_hot,
     pdot, pmax, pmean, pmin, ppermute, prod, psum, psum_scatter, std, sum, tile, untile, var,
@@ -25,6 +26,7 @@ from nxops.xmap import SerialLoop, axis_rules, serial_loop, xmap  # noqa: E402  
 __version__ = "0.1.0"
 
 __all__ = [
+    "attention",
     "NxopsError", "SerialLoop", "axis_rules", "export", "serial_loop", "xmap", "hlo", "random",
     "all_gather", "all_to_all", "axis_index", "axis_size", "cross_entropy", "einsum", "kernels",
     "logsumexp", "max", "mean", "min", "one_hot", "pdot", "pmax", "pmean", "pmin", "ppermute",

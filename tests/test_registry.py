@@ -52,7 +52,7 @@ def test_environment_variable_sets_the_default():
     code = "import nxops; print(nxops.kernels._selection.current_selection())"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.stdout.strip() == \
-        "reduce=xla,einsum=auto,tile=auto,collective=auto,cross_entropy=auto"
+        "reduce=xla,einsum=auto,tile=auto,collective=auto,cross_entropy=auto,attention=auto"
 
 
 def test_use_is_scoped_and_validated():

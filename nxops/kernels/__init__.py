@@ -1,9 +1,9 @@
 """Kernel selection and the registry of implementations (``nx.kernels``).
 
 ``NXOPS_KERNELS`` (read at import) or ``nx.kernels.use(...)`` selects, per op
-family (reduce, einsum, tile, collective, cross_entropy), the backend: ``auto``
-(default), ``xla``, ``pallas`` or ``triton``. ``explain`` says which kernel
-each op of a program uses, and why.
+family (reduce, einsum, tile, collective, cross_entropy, attention), the
+backend: ``auto`` (default), ``xla``, ``pallas`` or ``triton``. ``explain``
+says which kernel each op of a program uses, and why.
 
 The layers above (``nxops.ops``) use the private modules: ``_selection``
 (what was asked for), ``_choice`` (the kernel for a case), ``_auto`` (`auto`'s

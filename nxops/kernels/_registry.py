@@ -25,8 +25,10 @@ OP_FAMILY: dict[str, str] = {
     "all_gather": "collective",
     "reduce_scatter": "collective",
     "cross_entropy": "cross_entropy",
+    "attention": "attention",
 }
-FAMILIES: tuple[str, ...] = ("reduce", "einsum", "tile", "collective", "cross_entropy")
+FAMILIES: tuple[str, ...] = ("reduce", "einsum", "tile", "collective", "cross_entropy",
+                             "attention")
 BACKENDS: tuple[str, ...] = ("xla", "pallas", "triton")
 
 NotSupportedReasons = Callable[..., Sequence[str]]

@@ -1,5 +1,6 @@
 """Named-axis ops (the public ones are re-exported by ``nxops``)."""
 from nxops.ops._collectives import all_gather, all_to_all, ppermute, psum_scatter
+from nxops.ops._attention import attention
 from nxops.ops._cross_entropy import cross_entropy
 from nxops.ops._einsum import einsum, pdot
 from nxops.ops._moments import std, var
@@ -8,7 +9,7 @@ from nxops.ops._reduce import logsumexp, max, mean, min, pmax, pmean, pmin, prod
 from nxops.ops._tiling import tile, untile
 
 __all__ = [
-    "all_gather", "all_to_all", "axis_index", "axis_size", "cross_entropy", "einsum", "logsumexp", "max",
-    "mean", "min", "one_hot", "pdot", "pmax", "pmean", "pmin", "ppermute", "prod", "psum", "psum_scatter",
-    "std", "sum", "tile", "untile", "var",
+    "all_gather", "all_to_all", "attention", "axis_index", "axis_size", "cross_entropy", "einsum",
+    "logsumexp", "max", "mean", "min", "one_hot", "pdot", "pmax", "pmean", "pmin", "ppermute", "prod",
+    "psum", "psum_scatter", "std", "sum", "tile", "untile", "var",
 ]

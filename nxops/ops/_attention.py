@@ -1,0 +1,390 @@
+"""``nx.attention``: ``softmax(q·k / sqrt(d) + bias, masked) · v`` over a named
+(or positional) key sequence, never holding the queries x keys scores.
+
+The named layer: the keys' sequence name resolves to physical axes; its vmap
+part is gathered into a positional dim of ``k``, ``v`` (and the bias), with
+the keys' global positions (``nx.axis_index``) beside them. Every other
+vmapped name reaches the primitive's batching rule: a name that only the
+queries vary along (query positions, the query heads of a key/value head's
+group) becomes more query rows; one the keys vary along too (batch, heads)
+becomes a batch member. Along key names' mesh axes that the queries vary
+along too, the key shards pass around a ring of ``ppermute``s (gathered
+instead where a bias or mask comes with them); along mesh axes the queries
+do not vary along, each device attends to its key shard, and one ``pmax``
+and one ``psum`` of per-query rows (the weighted outputs and the sum of
+weights) combine the shards.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.interpreters import ad, batching
+
+from nxops._errors import NxopsError
+from nxops._typing import ArrayLike
+from nxops.kernels.xla import attention as xla_attention
+from nxops.ops import _axis_env, _sum_then_tile
+from nxops.ops._axis_env import mesh_platform
+from nxops.ops._named_layout import along_vmap_names
+from nxops.ops._positions import axis_index
+from nxops.ops._cross_entropy import (_check_axis_argument, _positional_dim, _resolve_name,
+                                      _summed_over_vocab_shards)
+from nxops.ops._primitive import kernel_primitive, match_varying, selection_param
+
+OP = "nx.attention"
+
+attention_p = kernel_primitive("nx_attention", "attention", xla_attention.attention)
+# Operands q [B, Tq, D], k [B, Tk, D], v [B, Tk, E], q_pos [B, Tq], k_pos
+# [B, Tk] and optionally bias [1 or B, Tq, Tk] (f32); one result, f32
+# [B, Tq, E + 1]: the output and the logsumexp. Parameters: scale, causal,
+# block, kernels (the selection).
+
+
+def _bind(q, k, v, q_pos, k_pos, bias, *, scale, causal, block, kernels):
+    operands = (q, k, v, q_pos, k_pos) + (() if bias is None else (bias,))
+    return attention_p.bind(*operands, scale=scale, causal=causal, block=block, kernels=kernels)
+
+
+# --- batching: query-only names become query rows, the others batch members ----
+
+
+def _batch_first(x, dim, size):
+    if dim is None:
+        return jnp.broadcast_to(x, (size, *x.shape))
+    return jnp.moveaxis(x, dim, 0)
+
+
+def _into_rows(x, dim, size):
+    """[size, B, T, ...] -> [B, size * T, ...]."""
+    x = jnp.swapaxes(_batch_first(x, dim, size), 0, 1)
+    return x.reshape(x.shape[0], size * x.shape[2], *x.shape[3:])
+
+
+def _into_batch(x, dim, size):
+    x = _batch_first(x, dim, size)
+    return x.reshape(size * x.shape[1], *x.shape[2:])
+
+
+def _attention_batcher(vals_in, dims_in, *, scale, causal, block, kernels):
+    q, k, v, q_pos, k_pos, *rest = vals_in
+    q_dim, k_dim, v_dim, q_pos_dim, k_pos_dim, *bias_dims = dims_in
+    bias, bias_dim = (rest[0], bias_dims[0]) if rest else (None, None)
+    size = next(x.shape[d] for x, d in zip(vals_in, dims_in) if d is not None)
+    params = dict(scale=scale, causal=causal, block=block, kernels=kernels)
+    if k_dim is None and v_dim is None and k_pos_dim is None:
+        # The same keys for every member: its queries are more rows of one pass.
+        if bias is not None:
+            bias = _into_rows(bias, bias_dim, size)
+        out = _bind(_into_rows(q, q_dim, size), k, v, _into_rows(q_pos, q_pos_dim, size), k_pos,
+                    bias, **params)
+        return out.reshape(out.shape[0], size, out.shape[1] // size, out.shape[-1]), 1
+    if bias is not None and (bias_dim is not None or bias.shape[0] != 1):
+        bias = _into_batch(bias, bias_dim, size)   # a bias shared by the batch stays [1, ...]
+    out = _bind(*(_into_batch(x, d, size) for x, d in zip(vals_in[:5], dims_in[:5])), bias,
+                **params)
+    return out.reshape(size, out.shape[0] // size, *out.shape[1:]), 0
+
+
+batching.primitive_batchers[attention_p] = _attention_batcher
+
+
+# --- differentiation: the registry's forward, the reference's backward --------
+
+
+def _attention_jvp(primals, tangents, *, scale, causal, block, kernels):
+    q, k, v, q_pos, k_pos, *rest = primals
+    config = (scale, causal, block)
+
+    def forward(q, k, v, q_pos, k_pos, bias, config):
+        return _bind(q, k, v, q_pos, k_pos, bias, scale=config[0], causal=config[1],
+                     block=config[2], kernels=kernels)
+    fused = xla_attention.differentiable(forward)
+    diff = (0, 1, 2) + ((5,) if rest else ())
+    primal_in = [primals[i] for i in diff]
+    tangent_in = [ad.instantiate_zeros(tangents[i]) for i in diff]
+
+    def of_differentiable(q, k, v, *bias):
+        return fused(q, k, v, q_pos, k_pos, bias[0] if bias else None, config)
+    return jax.jvp(of_differentiable, primal_in, tangent_in)
+
+
+ad.primitive_jvps[attention_p] = _attention_jvp
+
+
+# --- the named layer ------------------------------------------------------------
+
+
+def _check_dtypes(q, k, v, bias, mask):
+    for operand, x in (("q", q), ("k", k), ("v", v)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise NxopsError(f"{OP}: {operand} has dtype {x.dtype}; it must be floating "
+                             f"(float32, bfloat16, float16).")
+    if not q.dtype == k.dtype == v.dtype:
+        raise NxopsError(f"{OP}: q, k, v have dtypes {q.dtype}, {k.dtype}, {v.dtype}; give them "
+                         f"one dtype (the scores accumulate in float32 either way).")
+    if bias is not None and not jnp.issubdtype(bias.dtype, jnp.floating):
+        raise NxopsError(f"{OP}: bias has dtype {bias.dtype}; an additive bias is floating "
+                         f"(use mask= for a boolean mask).")
+    if mask is not None and mask.dtype != jnp.bool_:
+        raise NxopsError(f"{OP}: mask has dtype {mask.dtype}; give a boolean mask (True: the "
+                         f"key is seen), or an additive float bias as bias=.")
+
+
+def _keys_seq_before_head(k, v, seq):
+    """(k, v with the keys' sequence as their second-to-last dim, the key
+    positions [Tk] (global), the seq's vmap names, its mesh names)."""
+    if k.ndim < 1 or v.ndim < 1:
+        raise NxopsError(f"{OP}: k has shape {tuple(k.shape)} and v {tuple(v.shape)}; both need "
+                         f"the head dim as their last positional dim.")
+    if isinstance(seq, str):
+        logical = _axis_env.current_logical_axes().get(seq)
+        if logical is not None and logical.loops:
+            raise NxopsError(
+                f"{OP}: the keys' sequence {seq!r} runs on the serial loop "
+                f"{logical.loops[0].name!r}: each loop step holds only its chunk of keys, and "
+                f"every query needs all of them. Loop over the queries instead: give them "
+                f"their own name in in_axes (q_seq=...) and map that one to the loop.")
+        vmap_names, mesh_names = _resolve_name(seq, what="seq", op=OP)
+        k = along_vmap_names(k[..., None, :], "gather", vmap_names, k.ndim - 1)
+        v = along_vmap_names(v[..., None, :], "gather", vmap_names, v.ndim - 1)
+        k_pos = along_vmap_names(axis_index(seq)[None], "gather", vmap_names, 0)
+        return k, v, k_pos, vmap_names, mesh_names
+    dim = _positional_dim(seq, k.ndim, what="seq", operand="k", shape=k.shape, op=OP)
+    if dim == k.ndim - 1:
+        raise NxopsError(f"{OP}: seq={seq} is k's last dim (shape {tuple(k.shape)}), its head "
+                         f"dim; give the keys' sequence axis (the head dim is always last).")
+    if v.ndim != k.ndim:
+        raise NxopsError(f"{OP}: k has shape {tuple(k.shape)} and v {tuple(v.shape)}; with a "
+                         f"positional seq={seq} they need the same rank.")
+    k, v = jnp.moveaxis(k, dim, -2), jnp.moveaxis(v, dim, -2)
+    return k, v, jnp.arange(k.shape[-2], dtype=jnp.int32), (), ()
+
+
+def _check_shapes(q, k, v, seq):
+    if v.shape[:-1] != k.shape[:-1]:
+        raise NxopsError(f"{OP}: k has shape {tuple(k.shape)} and v {tuple(v.shape)} (seq "
+                         f"{seq!r} before the head dim); they must match but for the last dim.")
+    batch = k.shape[:-2]
+    if q.ndim < len(batch) + 1 or q.shape[-1] != k.shape[-1] or q.shape[:len(batch)] != batch:
+        raise NxopsError(
+            f"{OP}: q has shape {tuple(q.shape)} and k {tuple(k.shape)} (seq {seq!r} before the "
+            f"head dim): q must be (*batch, *queries, head) with k's batch dims {tuple(batch)} "
+            f"first and k's head dim {k.shape[-1]} last.")
+    lengths = (*q.shape[len(batch):-1], k.shape[-2])
+    if not all(isinstance(n, int) for n in lengths):
+        raise NxopsError(f"{OP}: q has shape {tuple(q.shape)} and k {tuple(k.shape)}: the "
+                         f"query and key lengths must be static (the blocks are sized from "
+                         f"them); export with concrete sequence lengths (batch dims may be "
+                         f"symbolic).")
+    if k.shape[-2] == 0:
+        raise NxopsError(f"{OP}: the keys' sequence {seq!r} has length 0 (k has shape "
+                         f"{tuple(k.shape)}); a softmax over no keys is undefined.")
+
+
+def _query_positions(q_seq, token_shape):
+    """Global query positions of q's token shape (0 without a q_seq)."""
+    if q_seq is None:
+        return jnp.zeros(token_shape, jnp.int32)
+    if isinstance(q_seq, str):
+        return jnp.broadcast_to(axis_index(q_seq).astype(jnp.int32), token_shape)
+    dim = _positional_dim(q_seq, len(token_shape) + 1, what="q_seq", operand="q",
+                          shape=(*token_shape, "head"), op=OP)
+    if dim == len(token_shape):
+        raise NxopsError(f"{OP}: q_seq={q_seq} is q's last dim, its head dim; give the queries' "
+                         f"sequence axis.")
+    return lax.broadcasted_iota(jnp.int32, token_shape, dim)
+
+
+def _as_scores(x, what, seq, vmap_names, token_shape, batch_ndim, keys):
+    """A bias or mask as [1 or B, Tq, Tk]: its positional dims broadcast
+    against (*queries' token shape, Tk); one shared by the batch stays [1, ...]."""
+    if isinstance(seq, str):
+        x = along_vmap_names(x[..., None], "gather", vmap_names, x.ndim)
+    want = (*token_shape, keys)
+    try:
+        shape = jnp.broadcast_shapes(x.shape, want)
+    except ValueError:
+        shape = None
+    if shape != want:
+        raise NxopsError(f"{OP}: {what} has shape {tuple(x.shape)} (the keys' sequence "
+                         f"{seq!r} as its last dim); it must broadcast to the scores' shape {want} "
+                         f"(q's shape without the head dim, then the keys).")
+    shared = all(d == 1 for d in ((1,) * (len(want) - x.ndim) + tuple(x.shape))[:batch_ndim])
+    lead = (1,) * batch_ndim if shared else token_shape[:batch_ndim]
+    x = jnp.broadcast_to(x, (*lead, *want[batch_ndim:]))
+    return x.reshape(math.prod(lead), math.prod(want[batch_ndim:-1]), keys)
+
+
+def _query_mesh_axes(seq, q_seq, q, q_pos, mesh_names):
+    """The keys' mesh axes along which the queries may differ (there the keys
+    are gathered; along the others every device holds the same queries, and
+    the shards' partial results combine). nx.xmap's mesh bodies carry no
+    varying-axes types, so the names decide: the queries may vary along
+    every mesh axis of a logical name other than ``seq``, and along ``seq``'s
+    own unless ``q_seq`` names another axis (or a dim of q)."""
+    varying = set(jax.typeof(q).manual_axis_type.varying) | \
+        set(jax.typeof(q_pos).manual_axis_type.varying)
+    if q_seq is None or q_seq == seq:
+        return set(mesh_names)
+    for name, axis in _axis_env.current_logical_axes().items():
+        if name != seq:
+            varying.update(axis.physical)
+    return varying
+
+
+def _varying_over(x, names):
+    missing = tuple(n for n in names if n not in jax.typeof(x).manual_axis_type.varying)
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _gather_keys(k, v, k_pos, bias, names):
+    """All the keys of mesh axes ``names`` on every device (the queries vary
+    along them too: each device's queries see every key)."""
+    gather = lambda x, axis: lax.all_gather(_varying_over(x, names), names, axis=axis,  # noqa: E731
+                                            tiled=True)
+    return (gather(k, -2), gather(v, -2), gather(k_pos, 0),
+            None if bias is None else gather(bias, -1))
+
+
+def _ring(operands, names, params):
+    """(output, logsumexp) of the local queries against every key shard of
+    mesh axes ``names``: the key, value and position shards pass around the
+    ring (n - 1 ``ppermute``s each), one local pass per shard, merged by
+    their logsumexps. A scan, so that one pass's temporaries are live at a
+    time. Differentiated by JAX: each pass's backward is the kernel's, and
+    the ``ppermute``s transpose to the reverse ring, which carries dk and dv
+    home."""
+    q, k, v, q_pos, k_pos = operands
+    count = math.prod(_axis_env.physical_axis_size(n) for n in names)
+    ring = [(i, (i + 1) % count) for i in range(count)]
+
+    def attend(o, lse, k, v, k_pos):
+        out = _bind(q, k, v, q_pos, k_pos, None, **params)
+        return _merged(o, lse, out[..., :-1], out[..., -1])
+
+    def step(carry, _):
+        o, lse, k, v, k_pos = carry
+        o, lse = attend(o, lse, k, v, k_pos)
+        return (o, lse, *(lax.ppermute(x, names, ring) for x in (k, v, k_pos))), None
+
+    o = jnp.zeros((*q.shape[:-1], v.shape[-1]), jnp.float32)
+    lse = jnp.full(q.shape[:-1], -jnp.inf, jnp.float32)
+    (o, lse, k, v, k_pos), _ = lax.scan(step, (o, lse, k, v, k_pos), length=count - 1)
+    return attend(o, lse, k, v, k_pos)
+
+
+def _merged(o, lse, o_new, lse_new):
+    """The softmax-weighted mean of two partial outputs, and their logsumexp."""
+    top = lax.stop_gradient(jnp.maximum(lse, lse_new))
+    shift = jnp.where(jnp.isfinite(top), top, 0.0)
+    old_weight, new_weight = jnp.exp(lse - shift), jnp.exp(lse_new - shift)
+    total = old_weight + new_weight
+    safe = jnp.where(total > 0, total, 1.0)
+    o = (o * old_weight[..., None] + o_new * new_weight[..., None]) / safe[..., None]
+    return o, jnp.where(total > 0, shift + jnp.log(safe), -jnp.inf)
+
+
+def _combine_key_shards(out, mesh_names):
+    """The output and logsumexp over all key shards from each shard's: one
+    pmax of the logsumexp and one psum of the weighted outputs with their weights."""
+    out = _varying_over(out, mesh_names)
+    lse_local = out[..., -1]
+    # The shift cancels in value; its gradient is zero (and pmax has none).
+    top = lax.pmax(lax.stop_gradient(lse_local), mesh_names)
+    shift = jnp.where(jnp.isfinite(top), top, 0.0)
+    weight = jnp.exp(lse_local - shift)
+    summed = _sum_then_tile.mesh_sum(jnp.concatenate([out[..., :-1] * weight[..., None],
+                                               weight[..., None]], -1),
+                              mesh_names, platform=mesh_platform())
+    total = summed[..., -1]
+    seen = total > 0
+    safe = jnp.where(seen, total, 1.0)
+    o = jnp.where(seen[..., None], summed[..., :-1] / safe[..., None], 0.0)
+    return o, jnp.where(seen, shift + jnp.log(safe), -jnp.inf)
+
+
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, seq: str | int,
+              q_seq: str | int | None = None, causal: bool = False,
+              bias: ArrayLike | None = None, mask: ArrayLike | None = None,
+              scale: float | None = None, return_lse: bool = False,
+              block: int | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """``softmax(q·k * scale + bias, masked) · v`` without the scores.
+
+    ``seq``: the keys' sequence axis (the softmax's), a name (logical, as in
+    ``nx.einsum``; it may run on mesh axes) or a position (a dim of ``k`` and
+    ``v``). The head dim is the last positional dim of ``q``, ``k`` and ``v``
+    (``v``'s may differ in size); ``q`` is (*batch, *queries, head) where
+    ``k`` is (*batch, keys, head) with ``batch`` k's other positional dims.
+    Every named axis is a token axis (batch, heads, query positions, the
+    query heads of a key/value group). ``q_seq``: the queries' sequence
+    (name or position in ``q``), needed by ``causal=True``: a query at
+    global position i sees the keys at global positions <= i (positions from
+    ``nx.axis_index`` where named, from 0 where positional). ``bias`` (added)
+    and ``mask`` (bool, True: seen) broadcast against (q's shape without the
+    head dim, keys), with the keys last (where ``seq`` is named, they vary
+    along it instead). ``scale``: default 1/sqrt(head dim). Returns the output
+    in q's dtype (and the float32 logsumexp with ``return_lse=True``);
+    accumulates in float32. ``block``: queries and keys per step (default 512).
+    """
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    bias = None if bias is None else jnp.asarray(bias)
+    mask = None if mask is None else jnp.asarray(mask)
+    _check_axis_argument(seq, what="seq", op=OP)
+    if q_seq is not None:
+        _check_axis_argument(q_seq, what="q_seq", op=OP)
+    if causal and q_seq is None:
+        raise NxopsError(f"{OP}: causal=True needs the queries' positions: give q_seq (the "
+                         f"queries' sequence axis, a name or a dim of q).")
+    if block is not None and (not isinstance(block, numbers.Integral) or block < 1):
+        raise NxopsError(f"{OP}: block={block!r}; give a positive int (or None).")
+    _check_dtypes(q, k, v, bias, mask)
+    if q.ndim < 1:
+        raise NxopsError(f"{OP}: q has shape {tuple(q.shape)}; it needs the head dim as its "
+                         f"last positional dim.")
+    k, v, k_pos, vmap_names, mesh_names = _keys_seq_before_head(k, v, seq)
+    _check_shapes(q, k, v, seq)
+    token_shape, batch_ndim = q.shape[:-1], k.ndim - 2
+    keys = k.shape[-2]
+    scores_bias = None
+    if bias is not None:
+        scores_bias = _as_scores(bias.astype(jnp.float32), "bias", seq, vmap_names, token_shape,
+                                 batch_ndim, keys)
+    if mask is not None:
+        masked = _as_scores(jnp.where(mask, 0.0, -jnp.inf), "mask", seq, vmap_names,
+                            token_shape, batch_ndim, keys)
+        scores_bias = masked if scores_bias is None else scores_bias + masked
+    q_pos = _query_positions(q_seq, token_shape)
+
+    along_queries = _query_mesh_axes(seq, q_seq, q, q_pos, mesh_names)
+    gathered = tuple(n for n in mesh_names if n in along_queries)
+    sharded = tuple(n for n in mesh_names if n not in along_queries)
+    ring = gathered if scores_bias is None else ()
+    if gathered and not ring:
+        k, v, k_pos, scores_bias = _gather_keys(k, v, k_pos, scores_bias, gathered)
+        keys = k.shape[-2]
+    if sharded:
+        q = _summed_over_vocab_shards(q, sharded)
+
+    batch = math.prod(k.shape[:-2])
+    queries = math.prod(token_shape[batch_ndim:])
+    operands = (q.reshape(batch, queries, q.shape[-1]), k.reshape(batch, keys, k.shape[-1]),
+                v.reshape(batch, keys, v.shape[-1]), q_pos.reshape(batch, queries),
+                jnp.broadcast_to(k_pos, (batch, keys)))
+    operands = match_varying(*operands, *(() if scores_bias is None else (scores_bias,)))
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    params = dict(scale=scale, causal=bool(causal), block=block, kernels=selection_param())
+    if ring:
+        o, lse = _ring(operands, ring, params)
+        out = jnp.concatenate([o, lse[..., None]], -1)
+    else:
+        out = _bind(*operands[:5], operands[5] if len(operands) > 5 else None, **params)
+    if sharded:
+        o, lse = _combine_key_shards(out, sharded)
+    else:
+        o, lse = out[..., :-1], out[..., -1]
+    o = o.reshape(*token_shape, v.shape[-1]).astype(q.dtype)
+    return (o, lse.reshape(token_shape)) if return_lse else o

@@ -1,0 +1,461 @@
+"""nx.attention against the materialized program: values, logsumexp and
+gradients (dq, dk, dv, dbias), positional (hypothesis over odd lengths,
+blocks, GQA, bias, mask, causal, dtypes) and named under every placement
+(gradients outside and inside the body), the compiled memory, and its errors."""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from jax.sharding import AxisType
+
+import nxops as nx
+from nxops.kernels import _tolerances
+
+from tests.ops._util import assert_close
+
+DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
+
+
+def materialized(q, k, v, bias=None, mask=None, causal=False, scale=None):
+    """The materialized program in f32: q [..., G, Tq, D] against k, v
+    [..., Tk, D] (G query heads per key/value head). A query that sees no key
+    gives output 0 and logsumexp -inf."""
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+    s = jnp.einsum("...gqd,...kd->...gqk", q, k) * scale
+    if bias is not None:
+        s = s + bias
+    if mask is not None:
+        s = jnp.where(mask, s, -jnp.inf)
+    if causal:
+        tq, tk = s.shape[-2:]
+        s = jnp.where(jnp.arange(tk) <= jnp.arange(tq)[:, None], s, -jnp.inf)
+    top = jax.lax.stop_gradient(jnp.max(s, -1, keepdims=True))
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    e = jnp.exp(s - top)
+    total = jnp.sum(e, -1)
+    seen = total > 0
+    safe = jnp.where(seen, total, 1.0)
+    o = jnp.einsum("...gqk,...ke->...gqe", e, v) / safe[..., None]
+    return o, jnp.where(seen, top[..., 0] + jnp.log(safe), -jnp.inf)
+
+
+def value_and_grads(fn, args, c_o, c_lse):
+    """(o, lse) and the gradient of sum(c_o * o) + sum(c_lse * lse) (finite lse only)."""
+    def total(*args):
+        o, lse = fn(*args)
+        lse_term = jnp.where(jnp.isfinite(lse), lse, 0.0)
+        return jnp.sum(c_o * o.astype(jnp.float32)) + jnp.sum(c_lse * lse_term), (o, lse)
+    (_, values), grads = jax.value_and_grad(total, argnums=tuple(range(len(args))),
+                                            has_aux=True)(*args)
+    return values, grads
+
+
+def assert_matches(got, want, dtype):
+    (o, lse), grads = got
+    (want_o, want_lse), want_grads = want
+    assert o.dtype == dtype and lse.dtype == jnp.float32
+    np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(want_lse))
+    finite = np.isfinite(np.asarray(want_lse))
+    # The logsumexp: f32 accumulation of the same products in any dtype.
+    _tolerances.assert_close(np.asarray(lse)[finite], np.asarray(want_lse)[finite], np.float32,
+                             scale=10 * max(1.0, float(np.abs(np.asarray(want_lse)[finite]).max(
+                                 initial=0))))
+    # The output and gradients: the probabilities meet v (and q, k) in the
+    # inputs' dtype, as the materialized program's dots would take them.
+    for g, r in ((o, want_o), *zip(grads, want_grads)):
+        assert g.shape == r.shape
+        scale = max(1.0, float(jnp.max(jnp.abs(r)))) if r.size else 1.0
+        _tolerances.assert_close(g.astype(jnp.float32), r, dtype, scale=4 * scale)
+
+
+def operands(shape_q, shape_k, e, dtype, seed):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal(shape_q)
+    k = rng.standard_normal(shape_k)
+    v = rng.standard_normal((*shape_k[:-1], e))
+    return tuple(jnp.asarray(x, dtype) for x in (q, k, v)), rng
+
+
+@settings(max_examples=15, deadline=None)
+@given(batch=st.sampled_from([1, 2]), kv_heads=st.sampled_from([1, 2]), group=st.sampled_from([1, 3]),
+       tq=st.sampled_from([1, 5, 13]), tk=st.sampled_from([1, 7, 13]), d=st.sampled_from([1, 4]),
+       e=st.sampled_from([2, 3]), block=st.sampled_from([None, 1, 3, 4, 16]),
+       causal=st.booleans(), bias=st.sampled_from([None, "shared", "per head"]),
+       masked=st.booleans(), dtype=st.sampled_from(sorted(DTYPES)), seed=st.integers(0, 2**16))
+def test_positional_matches_materialized(batch, kv_heads, group, tq, tk, d, e, block, causal,
+                                         bias, masked, dtype, seed):
+    """q [B, Hkv, G, Tq, D] against k, v [B, Hkv, Tk, D]: GQA by layout."""
+    dtype = DTYPES[dtype]
+    (q, k, v), rng = operands((batch, kv_heads, group, tq, d), (batch, kv_heads, tk, d), e,
+                              dtype, seed)
+    bias_shape = {"shared": (tq, tk), "per head": (batch, kv_heads, group, tq, tk)}.get(bias)
+    b = None if bias is None else jnp.asarray(rng.standard_normal(bias_shape), jnp.float32)
+    mask = jnp.asarray(rng.random((group, tq, tk)) < 0.8) if masked else None
+    c_o = jnp.asarray(rng.standard_normal((batch, kv_heads, group, tq, e)), jnp.float32)
+    c_lse = jnp.asarray(rng.standard_normal((batch, kv_heads, group, tq)), jnp.float32)
+
+    def fused(q, k, v, *b):
+        return nx.attention(q, k, v, seq=2, q_seq=3, causal=causal, bias=b[0] if b else None,
+                            mask=mask, block=block, return_lse=True)
+
+    def reference(q, k, v, *b):
+        return materialized(q, k, v, b[0] if b else None, mask, causal)
+    args = (q, k, v) + (() if b is None else (b,))
+    got = jax.jit(value_and_grads, static_argnums=0)(fused, args, c_o, c_lse)
+    assert_matches(got, value_and_grads(reference, args, c_o, c_lse), dtype)
+
+
+def test_float64_numpy_reference_causal_odd_lengths():
+    """An independent NumPy float64 computation of the same values."""
+    (q, k, v), _ = operands((2, 11, 5), (2, 11, 5), 3, jnp.float32, 0)
+    o, lse = nx.attention(q, k, v, seq=1, q_seq=1, causal=True, block=4, return_lse=True)
+    qn, kn, vn = (np.asarray(x, np.float64) for x in (q, k, v))
+    s = qn @ kn.transpose(0, 2, 1) / np.sqrt(5)
+    s = np.where(np.tril(np.ones((11, 11), bool)), s, -np.inf)
+    want_lse = np.log(np.sum(np.exp(s - s.max(-1, keepdims=True)), -1)) + s.max(-1)
+    want_o = np.exp(s - want_lse[..., None]) @ vn
+    np.testing.assert_allclose(o, want_o, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(lse, want_lse, rtol=2e-6, atol=2e-6)
+
+
+def test_layouts_seq_by_position_and_default_scale():
+    """k as [Tk, B, D] (seq=0) against q [B, Tq, D]; an explicit scale."""
+    (q, k, v), _ = operands((3, 6, 4), (3, 9, 4), 2, jnp.float32, 1)
+    want = materialized(q[:, None], k, v, scale=0.3)[0][:, 0]
+    got = nx.attention(q, jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1), seq=0, scale=0.3)
+    assert_close(got, want)
+
+
+def test_a_query_that_sees_no_key_gives_zero_and_no_gradient():
+    (q, k, v), _ = operands((4, 3), (5, 3), 2, jnp.float32, 2)
+    mask = jnp.ones((4, 5), bool).at[2].set(False)
+    o, lse = nx.attention(q, k, v, seq=0, mask=mask, return_lse=True)
+    assert not np.asarray(o[2]).any() and lse[2] == -jnp.inf and np.isfinite(np.asarray(lse)[[0, 1, 3]]).all()
+    dq = jax.grad(lambda q: jnp.sum(nx.attention(q, k, v, seq=0, mask=mask)))(q)
+    assert not np.asarray(dq[2]).any() and np.isfinite(dq).all()
+
+
+# --- named: every placement, gradients outside and inside ------------------------
+
+B, KVH, G, T, D, E = 2, 2, 2, 16, 4, 3      # T: over 2, 4, 8 devices and 4 loop steps; block 5
+Q_AXES = ["b", "kvh", "g", "qs", None]
+KV_AXES = ["b", "kvh", "s", None]
+IN_AXES = [Q_AXES, KV_AXES, KV_AXES, ["qs", "s"]]
+PLACEMENTS = {
+    "none": {},
+    "keys on y": {"s": "y"},
+    "keys on x,y": {"s": ("x", "y")},
+    "queries and keys on y": {"qs": "y", "s": "y"},
+    "queries on x, keys on y": {"qs": "x", "s": "y"},
+    "queries loop, keys y": {"qs": nx.SerialLoop(4), "s": "y"},
+    "queries loop and x": {"qs": ("x", nx.SerialLoop(2))},
+    "batch x, keys y": {"b": "x", "s": "y"},
+    "heads x, queries y": {"kvh": "x", "qs": "y"},
+    "groups x, keys y": {"g": "x", "s": "y"},
+}
+
+
+# One value cannot be split along one mesh axis twice: the [queries, keys]
+# bias cannot go where both sequences share a mesh axis (the ring's placement;
+# with a bias the keys are gathered instead, see the one-name layer test).
+WITHOUT_BIAS = {"queries and keys on y"}
+
+
+def fused_body(q, k, v, bias=None):
+    return nx.attention(q, k, v, seq="s", q_seq="qs", causal=True, bias=bias, block=5,
+                        return_lse=True)
+
+
+@functools.lru_cache(maxsize=None)
+def named_operands():
+    (q, k, v), rng = operands((B, KVH, G, T, D), (B, KVH, T, D), E, jnp.float32, 7)
+    bias = jnp.asarray(rng.standard_normal((T, T)), jnp.float32)
+    c_o = jnp.asarray(rng.standard_normal((B, KVH, G, T, E)), jnp.float32)
+    c_lse = jnp.asarray(rng.standard_normal((B, KVH, G, T)), jnp.float32)
+    return (q, k, v, bias), c_o, c_lse
+
+
+def xmapped(resources, bias=True):
+    return nx.xmap(fused_body, IN_AXES[:4 if bias else 3], [Q_AXES, Q_AXES[:-1]],
+                   axis_resources=resources)
+
+
+def inside_grads(resources, bias=True):
+    """jax.grad in the body: dq per query; dk, dv per (query, key) position
+    (replicated along the queries, they stay per position: docs/xmap.md's rule)."""
+    def grads(q, k, v, *rest):
+        *bias, c_o, c_lse = rest
+
+        def loss(q, k, v):
+            o, lse = fused_body(q, k, v, *bias)
+            return jnp.sum(c_o * o) + c_lse * lse
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    in_axes = IN_AXES[:4 if bias else 3] + [Q_AXES, Q_AXES[:-1]]
+    out_axes = [Q_AXES, ["b", "kvh", "g", "qs", "s", None], ["b", "kvh", "g", "qs", "s", None]]
+    return jax.jit(nx.xmap(grads, in_axes, out_axes, axis_resources=resources))
+
+
+@pytest.mark.parametrize("placement", sorted(PLACEMENTS))
+def test_named_placements_match_materialized(placement):
+    mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
+    args, c_o, c_lse = named_operands()
+    bias = placement not in WITHOUT_BIAS
+    args = args if bias else args[:3]
+    with jax.set_mesh(mesh):
+        got = jax.jit(value_and_grads, static_argnums=0)(
+            xmapped(PLACEMENTS[placement], bias), args, c_o, c_lse)
+        if placement in WITHOUT_BIAS:
+            # dk per (query, key) pair cannot sit where both share a mesh axis.
+            with pytest.raises(nx.NxopsError, match="both mapped to the resource 'y'"):
+                inside_grads(PLACEMENTS[placement], bias)(*args, c_o, c_lse)
+        else:
+            inside = inside_grads(PLACEMENTS[placement], bias)(*args, c_o, c_lse)
+    want = value_and_grads(lambda q, k, v, *bias: materialized(q, k, v, *bias, causal=True),
+                           args, c_o, c_lse)
+    assert_matches(got, want, jnp.float32)
+    if placement in WITHOUT_BIAS:
+        return
+    # In the body: dq (replicated along the keys) is its whole gradient; dk,
+    # dv per query position are the materialized named program's.
+    assert_close(inside[0], want[1][0])
+    for got_inside, want_inside in zip(inside[1:], inside_reference(bias)):
+        assert_close(got_inside, want_inside, scale=4)
+
+
+@functools.lru_cache(maxsize=None)
+def inside_reference(bias=True):
+    """dk, dv per (query, key) pair from the materialized named program
+    (nx.einsum, a named softmax), no resources."""
+    def materialized_body(q, k, v, *bias):
+        s = nx.einsum("d,d->", q, k) / np.sqrt(D) + sum(bias)
+        s = jnp.where(nx.axis_index("s") <= nx.axis_index("qs"), s, -jnp.inf)
+        lse = nx.logsumexp(s, "s")
+        return nx.sum(jnp.exp(s - lse)[None] * v, "s"), lse
+
+    def grads(q, k, v, *rest):
+        *bias, c_o, c_lse = rest
+
+        def loss(q, k, v):
+            o, lse = materialized_body(q, k, v, *bias)
+            return jnp.sum(c_o * o) + c_lse * lse
+        return jax.grad(loss, argnums=(1, 2))(q, k, v)
+    in_axes = IN_AXES[:4 if bias else 3] + [Q_AXES, Q_AXES[:-1]]
+    out_axes = [["b", "kvh", "g", "qs", "s", None]] * 2
+    args, c_o, c_lse = named_operands()
+    return nx.xmap(grads, in_axes, out_axes)(*args[:4 if bias else 3], c_o, c_lse)
+
+
+def test_keys_on_mesh_hlo_combines_with_one_pmax_one_psum():
+    """Keys over 4 devices, queries unmapped: the forward's collectives are
+    two all-reduces of per-query rows (no gather of keys)."""
+    mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
+    args, _, _ = named_operands()
+    with jax.set_mesh(mesh):
+        text = jax.jit(xmapped({"s": "y"})).lower(*args).compile().as_text()
+    found = nx.hlo.collectives(text)
+    assert sorted(c.kind for c in found) == ["all-reduce", "all-reduce"], found
+    per_query = B * KVH * G * T
+    assert all(np.prod(s) <= per_query * (E + 1) for c in found for s in c.result_shapes), found
+
+
+def ring_permutes(step):
+    """(elements each device passes in ppermutes, counting a scan's length,
+    the other collectives' names) in the jaxpr of ``step``, the queries and
+    keys on the 4 devices of mesh axis y."""
+    mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
+    args, _, _ = named_operands()
+    with jax.set_mesh(mesh):
+        jaxpr = jax.make_jaxpr(step)(*args[:3]).jaxpr
+    moved, others = 0, set()
+
+    def walk(jaxpr, times):
+        nonlocal moved
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            if name == "ppermute":
+                moved += times * sum(math.prod(v.aval.shape) for v in eqn.outvars)
+            elif name in ("all_gather", "psum", "pmax", "all_to_all", "reduce_scatter",
+                          "psum_invariant"):
+                others.add(name)
+            inner_times = times * eqn.params.get("length", 1) if name == "scan" else times
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (tuple, list)) else (param,):
+                    sub = getattr(sub, "jaxpr", sub)
+                    if hasattr(sub, "eqns"):
+                        walk(sub, inner_times)
+    walk(jaxpr, 1)
+    return moved, others
+
+
+def test_ring_passes_each_key_and_value_shard_n_minus_1_times():
+    """Queries and keys on the same 4 devices: the forward's only collectives
+    are the ring's ppermutes, each device passing its key, value and position
+    shards 3 times; the backward passes dk and dv around the reverse ring as
+    often."""
+    n = 4
+    ring = xmapped({"qs": "y", "s": "y"}, bias=False)
+    shard = (n - 1) * (T // n)       # key positions passed per device
+    moved, others = ring_permutes(ring)
+    assert not others, others
+    assert shard * B * KVH * (D + E) <= moved <= shard * (B * KVH * (D + E) + 1), moved
+
+    def values_and_grads(q, k, v):   # no loss to all-reduce: the cotangents are ones
+        out, pullback = jax.vjp(ring, q, k, v)
+        return out, pullback(jax.tree.map(jnp.ones_like, out))
+    moved_with_grads, _ = ring_permutes(values_and_grads)
+    assert moved_with_grads - moved == shard * B * KVH * (D + E), (moved, moved_with_grads)
+
+
+LAYER_PLACEMENTS = {"none": {}, "batch x": {"b": "x"}, "sequence y": {"seq": "y"},
+                    "batch x, sequence y": {"b": "x", "seq": "y"}}
+
+
+@pytest.mark.parametrize("placement", sorted(LAYER_PLACEMENTS))
+def test_causal_layer_one_sequence_name_every_placement(placement):
+    """A residual attention layer whose queries and keys share one named
+    sequence: loss and weight gradients as the positional layer's."""
+    batch, tokens, model, heads = 2, 12, 8, 2
+    hd = model // heads
+    keys = jax.random.split(jax.random.key(4), 3)
+    x = jax.random.normal(keys[0], (batch, tokens, model))
+    w_qkv = jax.random.normal(keys[1], (3, model, heads, hd)) / model**0.5
+    w_out = jax.random.normal(keys[2], (heads, hd, model)) / model**0.5
+
+    def token(x, w_qkv, w_out):     # x [model]: one (batch, sequence) position
+        q, k, v = (jnp.einsum("m,mhd->hd", x, w) for w in w_qkv)
+        o = nx.attention(q, k, v, seq="seq", q_seq="seq", causal=True, block=5)
+        return x + jnp.einsum("hd,hdm->m", o, w_out)
+    layer = nx.xmap(token, [["b", "seq", None], [...], [...]], ["b", "seq", None],
+                    axis_resources=LAYER_PLACEMENTS[placement])
+
+    def positional(x, w_qkv, w_out):
+        q, k, v = (jnp.einsum("btm,mhd->bhtd", x, w) for w in w_qkv)
+        o = materialized(q[:, :, None], k, v, causal=True)[0][:, :, 0]
+        return x + jnp.einsum("bhtd,hdm->btm", o, w_out)
+
+    def loss(layer_fn):
+        return lambda w_qkv, w_out: jnp.mean(layer_fn(x, w_qkv, w_out) ** 2)
+    mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
+    with jax.set_mesh(mesh):
+        got = jax.jit(jax.value_and_grad(loss(layer), argnums=(0, 1)))(w_qkv, w_out)
+    want = jax.value_and_grad(loss(positional), argnums=(0, 1))(w_qkv, w_out)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert_close(g, r, scale=4)
+
+
+@pytest.mark.parametrize("resources", [{}, {"seq": "y"}, {"b": "x", "seq": "y"}])
+def test_key_bias_with_one_sequence_name_gathers_the_keys(resources):
+    """One name for both sequences and a bias along it (a bias per key,
+    the same for every query): on mesh axes the keys are all-gathered, and
+    values and gradients (the bias's too) are the positional program's."""
+    (q, k, v), rng = operands((2, 12, 4), (2, 12, 4), 3, jnp.float32, 6)
+    bias = jnp.asarray(rng.standard_normal((2, 12)), jnp.float32)
+    body = lambda q, k, v, b: nx.attention(q, k, v, seq="seq", q_seq="seq", causal=True,  # noqa: E731
+                                           bias=b, block=5, return_lse=True)
+    spec = ["b", "seq", None]
+    xmapped = nx.xmap(body, [spec, spec, spec, ["b", "seq"]], [spec, spec[:-1]],
+                      axis_resources=resources)
+    c_o = jnp.asarray(rng.standard_normal((2, 12, 3)), jnp.float32)
+    c_lse = jnp.asarray(rng.standard_normal((2, 12)), jnp.float32)
+    mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
+    with jax.set_mesh(mesh):
+        got = jax.jit(value_and_grads, static_argnums=0)(xmapped, (q, k, v, bias), c_o, c_lse)
+        if resources:
+            text = jax.jit(xmapped).lower(q, k, v, bias).compile().as_text()
+            assert "all-gather" in text and "collective-permute" not in text
+
+    def reference(q, k, v, bias):
+        o, lse = materialized(q[:, None], k, v, bias[:, None, None, :], causal=True)
+        return o[:, 0], lse[:, 0]
+    assert_matches(got, value_and_grads(reference, (q, k, v, bias), c_o, c_lse), jnp.float32)
+
+
+def test_plain_vmap_names_and_bf16_gqa():
+    """Outside xmap: heads and groups as jax.vmap names, bf16."""
+    (q, k, v), _ = operands((T, KVH, G, D), (T, KVH, D), E, jnp.bfloat16, 3)
+
+    def per_head(q, k, v):   # q [T, D], k [T, D]
+        return nx.attention(q, k, v, seq=0, q_seq=0, causal=True, block=5)
+    per_group = jax.vmap(per_head, in_axes=(1, None, None), out_axes=1, axis_name="g")
+    got = jax.vmap(per_group, in_axes=(1, 1, 1), out_axes=1, axis_name="kvh")(q, k, v)
+    want = materialized(jnp.transpose(q, (1, 2, 0, 3)), jnp.swapaxes(k, 0, 1),
+                        jnp.swapaxes(v, 0, 1), causal=True)[0]
+    assert got.dtype == jnp.bfloat16
+    _tolerances.assert_close(got.astype(jnp.float32), jnp.transpose(want, (2, 0, 1, 3)),
+                             jnp.bfloat16, scale=4)
+
+
+def test_compiled_value_and_grad_holds_no_scores():
+    """CPU, 2048 tokens: the temp of jit(value_and_grad) is a small fraction
+    of the materialized program's, which holds [heads, T, T] score matrices."""
+    heads, tokens, d = 4, 2048, 64
+    struct = jax.ShapeDtypeStruct((heads, tokens, d), jnp.float32)
+
+    def temp(attend):
+        loss = lambda q, k, v: jnp.sum(attend(q, k, v) ** 2)  # noqa: E731
+        compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(
+            struct, struct, struct).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+    fused = temp(lambda q, k, v: nx.attention(q, k, v, seq=1, q_seq=1, causal=True, block=256))
+    unfused = temp(lambda q, k, v: materialized(q[:, None], k, v, causal=True)[0])
+    assert unfused > 2 * heads * tokens * tokens * 4 and fused < unfused / 15, (fused, unfused)
+
+
+# --- errors ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, shapes, match", [
+    (dict(seq=1), ((2, 3), (2, 5, 4), (2, 5, 4)), r"q has shape \(2, 3\) and k \(2, 5, 4\)"),
+    (dict(seq=1), ((2, 4), (2, 5, 4), (2, 6, 4)), r"k has shape \(2, 5, 4\) and v \(2, 6, 4\)"),
+    (dict(seq=2), ((2, 4), (2, 5, 4), (2, 5, 4)), r"seq=2 is k's last dim"),
+    (dict(seq=3), ((2, 4), (2, 5, 4), (2, 5, 4)), r"seq=3 is out of range for k of shape"),
+    (dict(seq=0), ((3, 4), (0, 4), (0, 4)), r"length 0"),
+    (dict(seq=0, causal=True), ((3, 4), (5, 4), (5, 4)), r"causal=True needs .* q_seq"),
+    (dict(seq=0, q_seq=1), ((3, 4), (5, 4), (5, 4)), r"q_seq=1 is q's last dim"),
+    (dict(seq=1.5), ((3, 4), (5, 4), (5, 4)), r"seq=1.5; give"),
+    (dict(seq=0, block=0), ((3, 4), (5, 4), (5, 4)), r"block=0"),
+    (dict(seq=0, bias=jnp.zeros((3, 4))), ((3, 4), (5, 4), (5, 4)),
+     r"bias has shape \(3, 4\).*\(3, 5\)"),
+    (dict(seq=0, mask=jnp.zeros((3, 5))), ((3, 4), (5, 4), (5, 4)), r"mask has dtype float32"),
+])
+def test_errors_quote_shapes(kwargs, shapes, match):
+    q, k, v = (jnp.zeros(s) for s in shapes)
+    with pytest.raises(nx.NxopsError, match=match):
+        nx.attention(q, k, v, **kwargs)
+
+
+def test_symbolic_lengths_are_refused_symbolic_batch_exports():
+    t, b = jax.export.symbolic_shape("t, b")
+    fn = jax.jit(lambda q: nx.attention(q, q, q, seq=1, q_seq=1, causal=True))
+    with pytest.raises(nx.NxopsError, match="lengths must be static"):
+        jax.export.export(fn)(jax.ShapeDtypeStruct((2, t, 4), jnp.float32))
+    exported = jax.export.export(fn)(jax.ShapeDtypeStruct((b, 5, 4), jnp.float32))
+    (q, _, _), _ = operands((3, 5, 4), (3, 5, 4), 4, jnp.float32, 5)
+    assert_close(exported.call(q), materialized(q[:, None], q, q, causal=True)[0][:, 0])
+
+
+def test_errors_dtypes_and_named_axes():
+    q = jnp.zeros((3, 4))
+    with pytest.raises(nx.NxopsError, match="q, k, v have dtypes float32, bfloat16, float32"):
+        nx.attention(q, q.astype(jnp.bfloat16), q, seq=0)
+    with pytest.raises(nx.NxopsError, match="k has dtype int32"):
+        nx.attention(q, q.astype(jnp.int32), q, seq=0)
+    with pytest.raises(nx.NxopsError, match="'s' is not bound here"):
+        nx.attention(q, q[0], q[0], seq="s")
+    looped = nx.xmap(fused_body, IN_AXES, [Q_AXES, Q_AXES[:-1]],
+                     axis_resources={"s": nx.SerialLoop(2)})
+    with pytest.raises(nx.NxopsError, match="keys' sequence 's' runs on the serial loop.*"
+                       "Loop over the queries instead"):
+        looped(*named_operands()[0])
+    odd = nx.xmap(fused_body, IN_AXES, [Q_AXES, Q_AXES[:-1]], axis_resources={"s": "y"})
+    (q, k, v, bias), _, _ = named_operands()
+    mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
+    with jax.set_mesh(mesh), pytest.raises(nx.NxopsError, match="not divisible"):
+        odd(q[:, :, :, :10], k[:, :, :10], v[:, :, :10], bias[:10, :10])
