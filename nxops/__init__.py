@@ -9,6 +9,7 @@ from nxops._supported_jax import check_jax_version
 check_jax_version()   # before the rest: outside the range, their imports fail obscurely
 
 from nxops._errors import NxopsError  # noqa: E402
+from nxops._version import __version__  # noqa: E402
 from nxops import hlo, kernels, random
 from nxops._export import export
 from nxops.ops import (
@@ -21,7 +22,6 @@ from nxops.ops import (
 import nxops.xmap as _xmap_package  # noqa: E402
 from nxops.xmap import SerialLoop, axis_rules, serial_loop, xmap  # noqa: E402
 
-__version__ = "0.1.0"
 
 __all__ = [
     "NxopsError", "SerialLoop", "axis_rules", "export", "serial_loop", "xmap", "hlo", "random", "all_gather", "all_to_all", "axis_index", "axis_size", "cross_entropy", "einsum", "kernels",

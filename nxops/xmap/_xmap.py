@@ -157,6 +157,26 @@ class XmapFunction:
         except TypeError as e:
             raise _non_array_argument_error(args) or e
 
+    def in_shardings(self, *args: Any) -> tuple:
+        """Where each argument belongs under the plan, on the mesh in scope.
+
+        Returns a pytree like ``args`` of full-rank ``NamedSharding``s (the
+        plan's ``PartitionSpec`` per argument, replicated where the plan maps
+        nothing to the mesh). ``jax.device_put(args, f.in_shardings(*args))``
+        places parameters and optimizer state once: a jitted training step
+        then returns the updated ones with the same shardings, so no step
+        recompiles (docs/training.md).
+        """
+        targets = self._shardings_per_plan(args)
+        if targets is None:
+            raise NxopsError(
+                f"{self!r}.in_shardings(...) needs the mesh the program runs on: call it "
+                f"under jax.set_mesh(mesh) (or `with mesh:`), outside any xmap or shard_map "
+                f"body. Without a mesh the program runs on one device and any placement works.")
+        leaves, tree = jax.tree.flatten(args)
+        return jax.tree.unflatten(tree, [_full_rank(s, len(_shape(x)))
+                                         for s, x in zip(targets[0], leaves)])
+
     # -- the jitted program, one per context --------------------------------
 
     def _jitted(self):
@@ -347,6 +367,15 @@ class XmapFunction:
         return [NamedSharding(mesh, plan.partition_spec(spec, len(shape)) if on_mesh
                               else PartitionSpec())
                 for shape, spec in zip(shapes, flat_specs)], on_mesh
+
+
+def _full_rank(sharding: NamedSharding, ndim: int) -> NamedSharding:
+    """``sharding`` with its spec padded to ``ndim`` entries: jit returns
+    results with full-rank specs, and ``P('mp')`` differs from ``P('mp', None)``
+    in jit's cache key, so an argument placed with the short one and fed back
+    from a step's result would compile the step twice."""
+    spec = tuple(sharding.spec)
+    return NamedSharding(sharding.mesh, PartitionSpec(*spec, *[None] * (ndim - len(spec))))
 
 
 def _untyped_by_stale_mesh(x):
