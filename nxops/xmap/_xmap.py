@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import difflib
 import functools
 import weakref
 from typing import Any, Callable, Mapping, Sequence
@@ -78,10 +79,7 @@ class XmapFunction:
         out_names = spec_names(self._out_axes)
         missing = [n for n in out_names if n not in defined]
         if missing:
-            raise NxopsError(
-                f"All axis names appearing in out_axes must also appear in in_axes or "
-                f"axis_sizes, but the following are missing: {', '.join(map(repr, missing))} "
-                f"(out_axes={out_axes!r}). Give their sizes with axis_sizes={{name: size}}.")
+            raise _missing_out_names_error(missing, defined, in_axes, out_axes)
         # Names only the body may use (old xmap: `lax.psum(x, 'i')` with
         # axis_sizes={'i': 4}); checked once the body is traced (_check_body_uses).
         self._body_only_names = [n for n in self._axis_sizes if n not in in_names + out_names]
@@ -367,6 +365,25 @@ class XmapFunction:
         return [NamedSharding(mesh, plan.partition_spec(spec, len(shape)) if on_mesh
                               else PartitionSpec())
                 for shape, spec in zip(shapes, flat_specs)], on_mesh
+
+
+def _missing_out_names_error(missing: list, defined: list, in_axes: Any,
+                             out_axes: Any) -> NxopsError:
+    """out_axes names no input or axis_sizes defines: likely misspelled when
+    close to a defined name, else a broadcast result that needs its size."""
+    spelled = {n: difflib.get_close_matches(str(n), map(str, defined), n=1) for n in missing}
+    if any(spelled.values()):
+        guesses = "; ".join(f"did you mean {close[0]!r} for {name!r}?" if close
+                            else f"{name!r} is like no input name"
+                            for name, close in spelled.items())
+        return NxopsError(
+            f"out_axes={_quote(out_axes)} names {', '.join(map(repr, missing))}, which "
+            f"in_axes={_quote(in_axes)} does not: {guesses} Fix the spelling; a result "
+            f"broadcast along a new name needs its size in axis_sizes={{name: size}}.")
+    return NxopsError(
+        f"All axis names appearing in out_axes must also appear in in_axes or "
+        f"axis_sizes, but the following are missing: {', '.join(map(repr, missing))} "
+        f"(out_axes={_quote(out_axes)}). Give their sizes with axis_sizes={{name: size}}.")
 
 
 def _full_rank(sharding: NamedSharding, ndim: int) -> NamedSharding:
