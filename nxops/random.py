@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nxops._errors import NxopsError
+from nxops._traceback import api_boundary
 from nxops.ops import axis_index
 from nxops.ops._axis_env import as_name_tuple, current_logical_axes
 from nxops._typing import ArrayLike, DTypeLike
@@ -31,6 +32,7 @@ from nxops._typing import ArrayLike, DTypeLike
 __all__ = ["bernoulli", "bits", "fold_in_names", "key_here", "normal", "uniform"]
 
 
+@api_boundary
 def fold_in_names(key: jax.Array, *names: str) -> jax.Array:
     """``key`` folded with this position along each of ``names``, in order."""
     for name in names:
@@ -38,6 +40,7 @@ def fold_in_names(key: jax.Array, *names: str) -> jax.Array:
     return key
 
 
+@api_boundary
 def key_here(key: jax.Array, names: str | Sequence[str] | None = None) -> jax.Array:
     """``key`` for this position along ``names`` (default: every logical name
     bound by the enclosing ``nx.xmap`` bodies, in sorted order)."""
@@ -46,6 +49,7 @@ def key_here(key: jax.Array, names: str | Sequence[str] | None = None) -> jax.Ar
     return fold_in_names(key, *as_name_tuple(names))
 
 
+@api_boundary
 def uniform(key: jax.Array, shape: Sequence[int] = (), dtype: DTypeLike | None = None,
             minval: ArrayLike = 0.0, maxval: ArrayLike = 1.0, *,
             names: str | Sequence[str] | None = None) -> jax.Array:
@@ -55,6 +59,7 @@ def uniform(key: jax.Array, shape: Sequence[int] = (), dtype: DTypeLike | None =
     return jax.random.uniform(key_here(key, names), shape, dtype, minval, maxval)
 
 
+@api_boundary
 def normal(key: jax.Array, shape: Sequence[int] = (), dtype: DTypeLike | None = None, *,
            names: str | Sequence[str] | None = None) -> jax.Array:
     """``jax.random.normal`` with different numbers at each named position
@@ -63,6 +68,7 @@ def normal(key: jax.Array, shape: Sequence[int] = (), dtype: DTypeLike | None = 
     return jax.random.normal(key_here(key, names), shape, dtype)
 
 
+@api_boundary
 def bits(key: jax.Array, shape: Sequence[int] = (), dtype: DTypeLike | None = None, *,
          names: str | Sequence[str] | None = None) -> jax.Array:
     """``jax.random.bits`` with different bits at each named position."""
@@ -70,6 +76,7 @@ def bits(key: jax.Array, shape: Sequence[int] = (), dtype: DTypeLike | None = No
     return jax.random.bits(key_here(key, names), shape, dtype)
 
 
+@api_boundary
 def bernoulli(key: jax.Array, p: ArrayLike = 0.5, shape: Sequence[int] | None = None, *,
               names: str | Sequence[str] | None = None) -> jax.Array:
     """``jax.random.bernoulli`` with different draws at each named position."""

@@ -18,6 +18,7 @@ from nxops._jax import legacy_mesh_context as _legacy_meshes   # what `with mesh
 from nxops._jax import mesh_lib as _mesh_lib
 from nxops._jax import spmd_axis_names
 from nxops._errors import NxopsError
+from nxops._traceback import api_boundary
 from nxops._platforms import normalize_platform
 from nxops._typing import AxisResources
 from nxops.ops._axis_env import (current_logical_axes, current_logical_axes_map, logical_axes,
@@ -109,6 +110,7 @@ class XmapFunction:
         return (f"nx.xmap({getattr(self._fun, '__name__', self._fun)}, "
                 f"in_axes={self._user_in_axes!r}, out_axes={self._user_out_axes!r})")
 
+    @api_boundary
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
             raise NxopsError("xmapped functions take positional arguments only "
@@ -148,6 +150,7 @@ class XmapFunction:
         # Inputs committed to devices other than the mesh's: move them, then retry.
         return jitted(*self._place_on_mesh(args))
 
+    @api_boundary
     def lower(self, *args: Any) -> jax.stages.Lowered:
         """Lowers for these arguments (``.compile()``, ``.as_text()``, ...)."""
         try:
@@ -155,6 +158,7 @@ class XmapFunction:
         except TypeError as e:
             raise _non_array_argument_error(args) or e
 
+    @api_boundary
     def in_shardings(self, *args: Any) -> tuple:
         """Where each argument belongs under the plan, on the mesh in scope.
 
