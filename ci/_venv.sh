@@ -8,7 +8,8 @@
 # $VENV-compile (or $NXOPS_COMPILE_VENV), for what only the deviceless GPU/TPU
 # compiles and Triton's interpreter need: the compile extras (the CUDA plugin,
 # nvcc, libtpu; 2-3 GB, and the CUDA plugin logs a CUDA traceback at every
-# `import jax` on a machine without a GPU) and the triton extra. It sees the
+# `import jax` on a machine without a GPU), the triton extra, and the docs
+# extra (mkdocs, to build the site with its API reference). It sees the
 # first venv's packages through a .pth file, so JAX and the test tools are
 # installed once; only the extras go into it.
 #
@@ -55,7 +56,7 @@ install_nxops() {   # venv extras [base venv whose packages it sees]
 }
 
 install_compile_venv() {   # sets COMPILE_PYTHON
-  install_nxops "$COMPILE_VENV" test,compile,triton "$VENV"
+  install_nxops "$COMPILE_VENV" test,compile,triton,docs "$VENV"
   COMPILE_PYTHON=$COMPILE_VENV/bin/python
 }
 

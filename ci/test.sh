@@ -8,9 +8,9 @@
 # (`bash ci/test.sh tests/xmap -x`), and no benchmarks.
 #
 # Two venvs (ci/_venv.sh): the tests run in .venv, the README's (nxops and its
-# test tools); whatever they skipped there (the tests that need the compile or
-# triton extras, and any other skip) runs again in .venv-compile, which adds
-# those extras. The benchmarks and gpu.sh's dry run use .venv-compile.
+# test tools); whatever they skipped there (the tests that need the compile,
+# triton or docs extras, and any other skip) runs again in .venv-compile,
+# which adds those extras. The benchmarks and gpu.sh's dry run use .venv-compile.
 NXOPS_EXTRAS=test source "$(dirname "$0")/_venv.sh"
 install_compile_venv
 
@@ -30,7 +30,7 @@ pytest_both() {   # pytest args...: in $VENV, then what it skipped in $COMPILE_V
   NXOPS_SKIPPED_LOG=$skipped python -m pytest -q "$@" || status=$?
   if [ -s "$skipped" ]; then
     mapfile -t ids < <(sort -u "$skipped")
-    echo "== ${#ids[@]} skipped in $VENV, again in $COMPILE_VENV (compile and triton extras):"
+    echo "== ${#ids[@]} skipped in $VENV, again in $COMPILE_VENV (compile, triton and docs extras):"
     "$COMPILE_PYTHON" -m pytest -q -rs "${ids[@]}" || status=$?
   fi
   rm -f "$skipped"

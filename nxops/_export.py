@@ -41,6 +41,11 @@ def export(fn: Callable, *args: Any, platforms: Sequence[str] | None = None,
 
     ``platforms`` are lowering platforms ('cpu', 'cuda', 'rocm', 'tpu'); 'gpu'
     means 'cuda', as in ``nx.kernels.explain``.
+
+    Examples:
+        >>> exported = nx.export(lambda v: nx.sum(v, 0), jax.ShapeDtypeStruct((3,), jnp.float32))
+        >>> print(exported.platforms, exported.call(jnp.arange(3.)))
+        ('cpu',) 3.0
     """
     if platforms is not None:
         if isinstance(platforms, str):

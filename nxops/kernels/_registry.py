@@ -202,6 +202,11 @@ class Kernel:
     platform=..., **params)`` returns why it cannot take a case (empty when it
     can); ``description`` is the one line ``explain`` prints for it. The
     ``xla`` kernel of each op is the reference the others are tested against.
+
+    Examples:
+        >>> reference = [k for k in nx.kernels.registered('reduce') if k.backend == 'xla'][0]
+        >>> print(reference.op, reference.backend, 'cpu' in reference.platforms)
+        reduce xla True
     """
 
     op: str
@@ -240,7 +245,13 @@ def register_load_check(backend: str, problems: Callable[[str], Sequence[str]]) 
 
 
 def register(kernel: Kernel) -> Kernel:
-    """Adds ``kernel``; registering the same (op, backend) twice is a bug."""
+    """Adds ``kernel``; registering the same (op, backend) twice is a bug.
+
+    Examples:
+        >>> reference = [k for k in nx.kernels.registered('reduce') if k.backend == 'xla'][0]
+        >>> nx.kernels.register(reference) is reference  # the same object again: no change
+        True
+    """
     key = (kernel.op, kernel.backend)
     if key in _KERNELS and _KERNELS[key] is not kernel:
         raise ValueError(f"a {kernel.backend!r} kernel for {kernel.op!r} is already registered")
@@ -249,7 +260,12 @@ def register(kernel: Kernel) -> Kernel:
 
 
 def registered(op: str | None = None) -> list[Kernel]:
-    """The registered kernels, of one op or of all."""
+    """The registered kernels, of one op or of all.
+
+    Examples:
+        >>> sorted(k.backend for k in nx.kernels.registered('reduce') if k.backend != 'triton')
+        ['pallas', 'xla']
+    """
     return [k for (o, _), k in sorted(_KERNELS.items()) if op is None or o == op]
 
 
@@ -349,6 +365,13 @@ def use(selection: str) -> Iterator[Selection]:
 
     Takes the same values as ``NXOPS_KERNELS``. Functions jitted inside the
     block are traced and compiled for this selection.
+
+    Examples:
+        >>> program = jax.ShapeDtypeStruct((8,), jnp.float32)
+        >>> with nx.kernels.use("pallas"):
+        ...     report = nx.kernels.explain(lambda v: nx.sum(v, 0), program)
+        >>> print(report.selection, report.backends())
+        pallas {'reduce': {'pallas'}}
     """
     parsed = parse_selection(selection, "nx.kernels.use")
     with _SELECTION_STATE(selection):

@@ -204,6 +204,13 @@ def all_gather(x: ArrayLike, axis_name: AxisNames, *, axis: int = 0,
 
     Over mesh axes it is one all-gather (never an all-reduce of a padded
     buffer); the result is replicated over them.
+
+    Examples:
+        >>> f = nx.xmap(lambda v: nx.all_gather(v, 'i'), [['i']], ['i', ...])
+        >>> print(f(jnp.array([1., 2., 3.])))           # every position holds all three
+        [[1. 2. 3.]
+         [1. 2. 3.]
+         [1. 2. 3.]]
     """
     x = jnp.asarray(x)
     rank = x.ndim if tiled else x.ndim + 1
@@ -235,7 +242,14 @@ def psum_scatter(x: ArrayLike, axis_name: AxisNames, *, scatter_dimension: int =
                  tiled: bool = False) -> jax.Array:
     """Sums ``x`` over ``axis_name`` and scatters the result along
     ``scatter_dimension`` (``lax.psum_scatter``'s semantics): one
-    reduce-scatter over mesh axes."""
+    reduce-scatter over mesh axes.
+
+    Examples:
+        >>> f = nx.xmap(lambda v: nx.psum_scatter(v, 'i', tiled=True), [['i', ...]], ['i', ...])
+        >>> print(f(jnp.ones((2, 4))))                  # the sum [2 2 2 2], a half per position
+        [[2. 2.]
+         [2. 2.]]
+    """
     x = jnp.asarray(x)
     if not -x.ndim <= scatter_dimension < x.ndim:
         raise NxopsError(f"nx.psum_scatter: scatter_dimension {scatter_dimension} is out of range "
@@ -275,7 +289,14 @@ def psum_scatter(x: ArrayLike, axis_name: AxisNames, *, scatter_dimension: int =
 def all_to_all(x: ArrayLike, axis_name: AxisNames, split_axis: int, concat_axis: int, *,
                tiled: bool = False) -> jax.Array:
     """``lax.all_to_all`` over named ``axis_name`` (one all-to-all over mesh
-    axes). Negative axes count from the end, as in ``lax``."""
+    axes). Negative axes count from the end, as in ``lax``.
+
+    Examples:
+        >>> f = nx.xmap(lambda v: nx.all_to_all(v, 'i', 0, 0), [['i', ...]], ['i', ...])
+        >>> print(f(jnp.arange(4.).reshape(2, 2)))      # a transpose across positions
+        [[0. 2.]
+         [1. 3.]]
+    """
     x = jnp.asarray(x)
     size = axis_size(axis_name)
     split_axis, concat_axis = _check_all_to_all(x, axis_name, size, split_axis, concat_axis, tiled)
@@ -339,7 +360,13 @@ def _one_or_tuple(names: tuple):
 def ppermute(x: ArrayLike, axis_name: AxisNames,
              perm: Sequence[tuple[int, int]]) -> jax.Array:
     """``lax.ppermute`` over named ``axis_name``: ``perm`` pairs (source, destination)
-    positions along the (logical) axis; positions no pair sends to get zeros."""
+    positions along the (logical) axis; positions no pair sends to get zeros.
+
+    Examples:
+        >>> f = nx.xmap(lambda v: nx.ppermute(v, 'i', [(0, 1), (1, 2), (2, 0)]), [['i']], ['i'])
+        >>> print(f(jnp.array([1., 2., 3.])))           # a shift by one, around the ring
+        [3. 1. 2.]
+    """
     x = jnp.asarray(x)
     size = axis_size(axis_name)
     perm = _check_perm(perm, axis_name, size)
@@ -413,7 +440,13 @@ def _position_parts(axis_name, op: str):
 
 def axis_index(axis_name: AxisNames) -> jax.Array:
     """This position along named ``axis_name``: global, whatever carries it
-    (mesh axes, serial loops, the vmap tile; names in a tuple major to minor)."""
+    (mesh axes, serial loops, the vmap tile; names in a tuple major to minor).
+
+    Examples:
+        >>> f = nx.xmap(lambda v: v * nx.axis_index('i'), [['i']], ['i'])
+        >>> print(f(jnp.ones(4)))
+        [0. 1. 2. 3.]
+    """
     parts = _position_parts(axis_name, "nx.axis_index")
     names = tuple(p.physical for p in parts)
     # Physical axes only: one lax.axis_index (over several names it asks the
@@ -436,14 +469,28 @@ def _physical_axis_index(name) -> jax.Array:
 
 
 def axis_size(axis_name: AxisNames) -> int:
-    """The size of named ``axis_name`` (a static int, loops included)."""
+    """The size of named ``axis_name`` (a static int, loops included).
+
+    Examples:
+        >>> f = nx.xmap(lambda v: v * nx.axis_size('i'), [['i']], ['i'])
+        >>> print(f(jnp.ones(4)))
+        [4. 4. 4. 4.]
+    """
     return math.prod(p.size for p in _position_parts(axis_name, "nx.axis_size"))
 
 
 def one_hot(x: ArrayLike, num_classes: int | None = None, *, axis: int | AxisNames = -1,
             dtype: DTypeLike = jnp.float32) -> jax.Array:
     """``jax.nn.one_hot``, where ``axis`` may be a name: the result then varies
-    along that named axis (``x == axis_index(axis)``), as in the old xmap."""
+    along that named axis (``x == axis_index(axis)``), as in the old xmap.
+
+    Examples:
+        >>> f = nx.xmap(lambda label: nx.one_hot(label, 3, axis='cls'), [['b']], ['b', 'cls'],
+        ...             axis_sizes={'cls': 3})
+        >>> print(f(jnp.array([2, 0])))
+        [[0. 0. 1.]
+         [1. 0. 0.]]
+    """
     if isinstance(axis, int):
         if num_classes is None:
             raise NxopsError("nx.one_hot: num_classes is needed for a positional axis.")
@@ -529,7 +576,14 @@ def tile(x: ArrayLike, axes: Tiling) -> jax.Array:
     """This position's tile of ``x`` (replicated over the names) along each
     ``{name: dim}``: ``x`` split into ``axis_size(name)`` equal tiles along
     ``dim``. A key may be a tuple of names (major to minor), as in ``untile``.
-    No communication: the inverse of ``untile``."""
+    No communication: the inverse of ``untile``.
+
+    Examples:
+        >>> f = nx.xmap(lambda v: nx.tile(v, {'i': 0}), [[...]], ['i', ...], axis_sizes={'i': 2})
+        >>> print(f(jnp.arange(4.)))                    # position p keeps tile p
+        [[0. 1.]
+         [2. 3.]]
+    """
     x = _check_tiling(x, axes, "tile")
     for key, dim in axes.items():
         dim %= x.ndim
@@ -575,7 +629,13 @@ def _tile_one_name(x, name, dim: int):
 def untile(x: ArrayLike, axes: Tiling) -> jax.Array:
     """Gathers the tiles of ``x`` along each ``{name: dim}`` (one all-gather per
     name over its mesh axes; local work for vmapped names). The result is
-    replicated over the names: the inverse of ``tile``."""
+    replicated over the names: the inverse of ``tile``.
+
+    Examples:
+        >>> f = nx.xmap(lambda v: nx.untile(v, {'i': 0}), [['i', ...]], [...])
+        >>> print(f(jnp.arange(4.).reshape(2, 2)))      # the tiles, gathered in order
+        [0. 1. 2. 3.]
+    """
     x = _check_tiling(x, axes, "untile")
     for name, dim in axes.items():
         x = all_gather(x, name, axis=dim % x.ndim, tiled=True)

@@ -244,6 +244,13 @@ def einsum(spec: str, *operands: ArrayLike, precision: PrecisionLike = None,
     letters are positional dims, names in ``<...>`` are named axes; a name in
     operands but not in the result is summed (across devices where it is
     mapped to a mesh). Output dtype and ``precision`` as in ``jnp.einsum``.
+
+    Examples:
+        >>> dot = nx.xmap(lambda a, b: nx.einsum('<k>,<k>-><>', a, b), [['k'], ['k']], [...])
+        >>> print(dot(jnp.array([1., 2.]), jnp.array([3., 4.])))    # contracts the named 'k'
+        11.0
+        >>> print(nx.einsum('ij,j->i', jnp.ones((2, 3)), jnp.arange(3.)))   # letters alone: jnp.einsum
+        [3. 3.]
     """
     parsed = parse_einsum_spec(spec)
     for name, fixed in omitted_groups(parsed).items():
@@ -313,6 +320,12 @@ def pdot(x: ArrayLike, y: ArrayLike, axis_name: AxisNames, *, pos_contract: PosD
     tuple) and positional ``pos_contract``, batching over ``pos_batch``.
 
     The result's dims are the batch dims, then x's, then y's remaining dims.
+
+    Examples:
+        >>> f = nx.xmap(lambda a, b: nx.pdot(a, b, 'k'), [['k', ...], ['k', ...]], [...])
+        >>> print(f(jnp.ones((4, 2)), jnp.ones((4, 3))))   # [2] x [3] summed over 4 positions of 'k'
+        [[4. 4. 4.]
+         [4. 4. 4.]]
     """
     names = _axis_env.as_name_tuple(axis_name)
     physical = _axis_env.resolve(names, op="nx.pdot")

@@ -152,7 +152,14 @@ class XmapFunction:
 
     @api_boundary
     def lower(self, *args: Any) -> jax.stages.Lowered:
-        """Lowers for these arguments (``.compile()``, ``.as_text()``, ...)."""
+        """Lowers for these arguments (``.compile()``, ``.as_text()``, ...).
+
+        Examples:
+            >>> f = nx.xmap(lambda v: nx.sum(v, 'i'), [['i', ...]], [...])
+            >>> compiled = f.lower(jnp.ones((4, 3))).compile()
+            >>> print(compiled(jnp.ones((4, 3))))
+            [4. 4. 4.]
+        """
         try:
             return self._jitted().lower(*self._typed_per_plan(self._place_on_mesh(args)))
         except TypeError as e:
@@ -168,6 +175,16 @@ class XmapFunction:
         places parameters and optimizer state once: a jitted training step
         then returns the updated ones with the same shardings, so no step
         recompiles (docs/training.md).
+
+        Examples:
+            >>> f = nx.xmap(lambda w, b: w * b, [['a', ...], [...]], ['a', ...],
+            ...             axis_resources={'a': 'x'})
+            >>> with jax.set_mesh(jax.make_mesh((1,), ('x',))):
+            ...     w_at, b_at = f.in_shardings(jnp.ones((4, 3)), jnp.ones(3))
+            >>> w_at.spec == jax.sharding.PartitionSpec('x', None)    # full rank
+            True
+            >>> b_at.spec == jax.sharding.PartitionSpec(None)          # replicated
+            True
         """
         targets = self._shardings_per_plan(args)
         if targets is None:
@@ -641,11 +658,19 @@ def xmap(fun: Callable[..., Any], in_axes: Any, out_axes: Any, *,
         ``jax.set_mesh(mesh)`` (or the legacy ``with mesh:``), loop names from
         ``nx.serial_loop``. Resources never change results, only where and how
         the work runs.
-      donate_argnums, backend: as for ``jax.jit``.
+      donate_argnums: as for ``jax.jit``.
+      backend: as for ``jax.jit``.
 
     Returns:
       A callable (also ``.lower(*args)`` -> ``jax.stages.Lowered``) whose plan
       and compiled program are cached per argument signature.
+
+    Examples:
+        >>> f = nx.xmap(lambda x: x - nx.mean(x, 'batch'), in_axes=['batch', ...],
+        ...             out_axes=['batch', ...])
+        >>> print(f(jnp.array([[1., 2.], [3., 6.]])))
+        [[-1. -2.]
+         [ 1.  2.]]
     """
     return XmapFunction(fun, in_axes, out_axes, axis_sizes=axis_sizes,
                         axis_resources=axis_resources, donate_argnums=donate_argnums,
