@@ -24,9 +24,10 @@ cd "$(dirname "$0")/.."
 DRY=0
 if [ "${1:-}" = "--dry" ]; then DRY=1; shift; fi
 OUT=$(mkdir -p "${1:-${OUT:-gpu-out}}" && cd "${1:-${OUT:-gpu-out}}" && pwd)
-if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
-elif [ -x .venv/bin/python ]; then PY=$PWD/.venv/bin/python
-else PY=$(command -v python3 || command -v python); fi
+# The repository's Python: $PYTHON, else its venv's (.venv, made by the README's
+# commands; `pip install -e '.[gpu]'` there on a GPU machine), else the machine's.
+VENV_PY=${NXOPS_VENV:-.venv}/bin/python
+PY=${PYTHON:-$( [ -x "$VENV_PY" ] && echo "$VENV_PY" || command -v python || command -v python3)}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ -n "${NXOPS_WHEELS:-}" ]; then
   "$PY" -m pip install -q --no-index --no-deps --target "$OUT/.site" "$NXOPS_WHEELS"/*.whl \

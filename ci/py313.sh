@@ -61,8 +61,10 @@ case "${1:-}" in
         trixie "$ROOT" "$(mirror)"
     fi
     mount_all
-    # The same venv script as the README's commands, in .venv-py313 (the host's is .venv).
-    in_chroot "NXOPS_EXTRAS=test,compile,triton source ci/_venv.sh && python ci/py313_check.py $JAX_VERSION"
+    # The same venv script as the README's commands, in .venv-py313 (the host's
+    # is .venv) and .venv-py313-compile (the compile and triton extras on top).
+    in_chroot "NXOPS_EXTRAS=test source ci/_venv.sh && install_compile_venv \
+      && python ci/py313_check.py $JAX_VERSION && \$COMPILE_PYTHON ci/py313_check.py $JAX_VERSION"
     ;;
   run)
     shift

@@ -12,6 +12,7 @@ from nxops._jax import config as jax_config
 from nxops.kernels import _autotune
 from nxops._jax import mesh_lib
 from nxops._platforms import normalize_platform
+from nxops._traceback import api_boundary
 
 # The custom calls nxops' own kernels lower to that jax.export does not allow
 # by default: Pallas' Triton kernels on GPU and jax-triton's kernels. Mosaic
@@ -19,6 +20,7 @@ from nxops._platforms import normalize_platform
 NXOPS_KERNEL_CUSTOM_CALLS = ("__gpu$xla.gpu.triton", "triton_kernel_call")
 
 
+@api_boundary
 def export(fn: Callable, *args: Any, platforms: Sequence[str] | None = None,
            **export_kwargs: Any) -> jax_export.Exported:
     """``jax.export.export(jax.jit(fn), platforms=...)(*args)`` for nx programs.
@@ -39,6 +41,11 @@ def export(fn: Callable, *args: Any, platforms: Sequence[str] | None = None,
 
     ``platforms`` are lowering platforms ('cpu', 'cuda', 'rocm', 'tpu'); 'gpu'
     means 'cuda', as in ``nx.kernels.explain``.
+
+    Examples:
+        >>> exported = nx.export(lambda v: nx.sum(v, 0), jax.ShapeDtypeStruct((3,), jnp.float32))
+        >>> print(exported.platforms, exported.call(jnp.arange(3.)))
+        ('cpu',) 3.0
     """
     if platforms is not None:
         if isinstance(platforms, str):

@@ -50,6 +50,11 @@ from jax._src.interpreters.batching import infer as infer_out_axes
 from jax._src import source_info_util
 # Pallas interpret-mode effects of the TPU ring collectives.
 from jax._src.pallas import core as pallas_core
+# Traceback filtering: nxops registers its folder as internal and marks its
+# public entry points as API boundaries, so tracebacks end at the user's line
+# as they do for JAX's own frames (nxops/_traceback.py; Flax does the same).
+# Public alternative: none (jax.config's jax_traceback_filtering only switches it).
+from jax._src import traceback_util
 # Effect types and the sets that allow them (the ring collectives' own
 # ordered effect, accepted by jax.checkpoint). No public alternative.
 from jax._src import effects

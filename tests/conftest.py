@@ -36,3 +36,23 @@ def measured_kernels(monkeypatch):
     monkeypatch.setattr(_measured, "kernel_version",
                         lambda k: recorded.get((k.op, k.backend), "unmeasured"))
     return recorded
+
+
+# ci/test.sh runs the suite in the README's venv, then again, in the venv with
+# the compile and triton extras, whatever was skipped: it names a file here.
+_SKIPPED_LOG = os.environ.get("NXOPS_SKIPPED_LOG")
+
+
+def _log_skipped(nodeid: str) -> None:
+    with open(_SKIPPED_LOG, "a") as log:
+        log.write(nodeid + "\n")
+
+
+def pytest_runtest_logreport(report):
+    if _SKIPPED_LOG and report.skipped and not hasattr(report, "wasxfail"):
+        _log_skipped(report.nodeid)
+
+
+def pytest_collectreport(report):
+    if _SKIPPED_LOG and report.skipped:   # a module skipped whole (pytest.importorskip)
+        _log_skipped(report.nodeid)

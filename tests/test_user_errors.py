@@ -112,3 +112,54 @@ def test_a_list_of_out_axes_specs_fits_a_body_returning_a_list():
     doubled, total = f(jnp.arange(8.))
     np.testing.assert_array_equal(np.asarray(doubled), 2 * np.arange(8.))
     np.testing.assert_array_equal(np.asarray(total), np.arange(8.).sum())
+
+
+def test_misspelled_name_in_out_axes_asks_did_you_mean():
+    x = jnp.ones((8, 3))
+    with pytest.raises(nx.NxopsError) as info:
+        nx.xmap(lambda a: a, ['batch', ...], ['btach', ...])(x)
+    message = str(info.value)
+    assert "did you mean 'batch' for 'btach'?" in message, message
+    assert "out_axes=['btach', ...]" in message and "in_axes=['batch', ...]" in message
+    assert not message.startswith("All axis names"), message   # not the axis_sizes advice first
+
+
+def test_name_in_out_axes_like_no_input_still_points_at_axis_sizes():
+    with pytest.raises(nx.NxopsError, match=r"missing: 'vocab' .*axis_sizes=\{name: size\}"):
+        nx.xmap(lambda a: a, ['batch', ...], ['batch', 'vocab', ...])
+
+
+def test_unknown_mesh_axis_in_axis_resources_under_a_mesh_lists_the_mesh_axes():
+    f = nx.xmap(lambda a: a, ['batch', ...], ['batch', ...], axis_resources={'batch': 'dta'})
+    with jax.set_mesh(jax.make_mesh((4, 2), ('data', 'model'))):
+        with pytest.raises(nx.NxopsError) as info:
+            f(jnp.ones((8, 3)))
+    message = str(info.value)
+    assert ("axis_resources['batch'] names 'dta', which the mesh in scope does not have "
+            "(did you mean 'data'?)") in message, message
+    assert "The mesh in scope has axes ['data', 'model'] (data=4, model=2)" in message
+    assert "Call it under jax.set_mesh" not in message   # a mesh is set already
+
+
+def test_unknown_mesh_axis_without_a_mesh_says_to_set_one():
+    f = nx.xmap(lambda a: a, ['batch', ...], ['batch', ...], axis_resources={'batch': 'data'})
+    with pytest.raises(nx.NxopsError, match=r"'data'.*Mesh axes in scope: none.*jax\.set_mesh"):
+        f(jnp.ones((8, 3)))
+
+
+def test_named_einsum_outside_xmap_says_the_name_is_not_bound():
+    x, y = jnp.ones(3), jnp.ones(3)
+    with pytest.raises(nx.NxopsError) as info:
+        nx.einsum('<i>,<i>-><>', x, y)
+    message = str(info.value)
+    assert "nx.einsum '<i>,<i>-><>': axis name 'i' is not bound here" in message, message
+    assert "positional letters" not in message        # not the rank mismatch it causes
+    suggested = re.search(r"\(e\.g\. '([^']*)'\)", message).group(1)
+    assert suggested == 'i,i->'
+    np.testing.assert_allclose(nx.einsum(suggested, x, y), np.dot(x, y))   # the fix works
+
+
+def test_named_einsum_still_reports_a_rank_mismatch_inside_xmap():
+    f = nx.xmap(lambda x: nx.einsum('a<i>->a', x), [['i', ...]], [...])
+    with pytest.raises(nx.NxopsError, match="has 1 positional letters but its operand has shape"):
+        f(jnp.ones((4, 2, 3)))

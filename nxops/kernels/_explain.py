@@ -15,7 +15,13 @@ from nxops.kernels._selection import current_selection
 
 @dataclasses.dataclass(frozen=True)
 class Explanation:
-    """The kernel choices of one program, for one platform."""
+    """The kernel choices of one program, for one platform.
+
+    Examples:
+        >>> report = nx.kernels.explain(lambda v: nx.sum(v, 0), jax.ShapeDtypeStruct((8,), jnp.float32))
+        >>> print(str(report).splitlines()[0])
+        nxops kernels on cpu (NXOPS_KERNELS=auto):
+    """
 
     platform: str
     selection: str
@@ -50,6 +56,12 @@ def explain(fn: Callable[..., Any], *args: Any, platform: str | None = None,
 
     Lowering for another platform works on CPU, so ``platform="cuda"`` (or
     ``"gpu"``) or ``"tpu"`` shows what would run there. Nothing is executed.
+
+    Examples:
+        >>> x = jax.ShapeDtypeStruct((4, 8), jnp.float32)
+        >>> report = nx.kernels.explain(lambda v: nx.logsumexp(v, 1), x, platform="cpu")
+        >>> print(report.platform, report.backends())    # auto takes XLA on cpu
+        cpu {'reduce': {'xla'}}
     """
     # JAX says "gpu" for CUDA devices (jax.default_backend()), the registry "cuda".
     platform = normalize_platform(platform or jax.default_backend(), "nx.kernels.explain")

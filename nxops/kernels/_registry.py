@@ -48,6 +48,11 @@ class Kernel:
     platform=..., **params)`` returns why it cannot take a case (empty when it
     can); ``description`` is the one line ``explain`` prints for it. The
     ``xla`` kernel of each op is the reference the others are tested against.
+
+    Examples:
+        >>> reference = [k for k in nx.kernels.registered('reduce') if k.backend == 'xla'][0]
+        >>> print(reference.op, reference.backend, 'cpu' in reference.platforms)
+        reduce xla True
     """
 
     op: str
@@ -81,7 +86,13 @@ _LOAD_PROBLEMS: dict[str, Callable[[str], Sequence[str]]] = {}
 
 
 def register(kernel: Kernel) -> Kernel:
-    """Adds ``kernel``; registering the same (op, backend) twice is a bug."""
+    """Adds ``kernel``; registering the same (op, backend) twice is a bug.
+
+    Examples:
+        >>> reference = [k for k in nx.kernels.registered('reduce') if k.backend == 'xla'][0]
+        >>> nx.kernels.register(reference) is reference  # the same object again: no change
+        True
+    """
     key = (kernel.op, kernel.backend)
     if key in _KERNELS and _KERNELS[key] is not kernel:
         raise ValueError(f"a {kernel.backend!r} kernel for {kernel.op!r} is already registered")
@@ -90,7 +101,12 @@ def register(kernel: Kernel) -> Kernel:
 
 
 def registered(op: str | None = None) -> list[Kernel]:
-    """The registered kernels, of one op or of all."""
+    """The registered kernels, of one op or of all.
+
+    Examples:
+        >>> sorted(k.backend for k in nx.kernels.registered('reduce') if k.backend != 'triton')
+        ['pallas', 'xla']
+    """
     return [k for (o, _), k in sorted(_KERNELS.items()) if op is None or o == op]
 
 

@@ -94,6 +94,13 @@ def use(selection: str) -> Iterator[Selection]:
 
     Takes the same values as ``NXOPS_KERNELS``. Functions jitted inside the
     block are traced and compiled for this selection.
+
+    Examples:
+        >>> program = jax.ShapeDtypeStruct((8,), jnp.float32)
+        >>> with nx.kernels.use("pallas"):
+        ...     report = nx.kernels.explain(lambda v: nx.sum(v, 0), program)
+        >>> print(report.selection, report.backends())
+        pallas {'reduce': {'pallas'}}
     """
     parsed = parse_selection(selection, "nx.kernels.use")
     with _config.KERNELS(selection):

@@ -13,3 +13,8 @@ __all__ = [
     "logsumexp", "max", "mean", "min", "one_hot", "pdot", "pmax", "pmean", "pmin", "ppermute", "prod",
     "psum", "psum_scatter", "std", "sum", "tile", "untile", "var",
 ]
+
+# A user error's traceback ends at the user's line (nxops/_traceback.py).
+from nxops._traceback import mark_boundaries  # noqa: E402
+
+mark_boundaries(globals(), __all__)

@@ -329,6 +329,15 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, seq: str | int,
     along it instead). ``scale``: default 1/sqrt(head dim). Returns the output
     in q's dtype (and the float32 logsumexp with ``return_lse=True``);
     accumulates in float32. ``block``: queries and keys per step (default 512).
+
+    Examples:
+        >>> q, k, v = jnp.ones((2, 4, 8)), jnp.ones((2, 6, 8)), jnp.arange(96.).reshape(2, 6, 8)
+        >>> out = nx.attention(q, k, v, seq=1)       # keys' sequence: dim 1 of k and v
+        >>> print(out.shape, bool(jnp.allclose(out, v.mean(1, keepdims=True))))
+        (2, 4, 8) True
+        >>> causal = nx.attention(q[:, :3], k[:, :3], v[:, :3], seq=1, q_seq=1, causal=True)
+        >>> print(causal[0, :, 0])                   # query i averages keys 0..i
+        [0. 4. 8.]
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     bias = None if bias is None else jnp.asarray(bias)

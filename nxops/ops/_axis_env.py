@@ -414,10 +414,13 @@ def manual_mesh_axes() -> frozenset:
     return frozenset(jax.sharding.get_abstract_mesh().manual_axes)
 
 
-def split_vmap_and_mesh(physical: Sequence[str], *, op: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def split_vmap_and_mesh(physical: Sequence[str], *, op: str,
+                        positional_hint: str = "use an int for a positional axis",
+                        ) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Splits physical names into (vmap names, manual mesh names).
 
-    Raises NxopsError for a name that no enclosing vmap, shard_map or xmap binds.
+    Raises NxopsError for a name that no enclosing vmap, shard_map or xmap
+    binds, ending with ``positional_hint``: how to say it positionally.
     """
     env = _core.get_axis_env()
     manual = manual_mesh_axes()
@@ -434,8 +437,7 @@ def split_vmap_and_mesh(physical: Sequence[str], *, op: str) -> tuple[tuple[str,
                 f"{op}: axis name {name!r} is not bound here (bound names: "
                 f"{', '.join(bound) or 'none'}).{f' Did you mean {close[0]!r}?' if close else ''}"
                 f" Named axes exist inside nx.xmap, "
-                f"jax.vmap(..., axis_name=...) and jax.shard_map bodies; use an int "
-                f"for a positional axis.")
+                f"jax.vmap(..., axis_name=...) and jax.shard_map bodies; {positional_hint}.")
     if mesh_names:
         _note_mesh_op(op)
     return tuple(vmap_names), tuple(mesh_names)

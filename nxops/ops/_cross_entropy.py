@@ -220,6 +220,11 @@ def cross_entropy(h: ArrayLike, w: ArrayLike, labels: ArrayLike, *, hidden: str 
     ignored positions, with ``return_lse=True``, e.g. for a z-loss).
     ``vocab_chunk``: vocab columns per step of the loop (default: as many as
     keep one step's f32 logits within 4 MiB, 128 to 4096).
+
+    Examples:
+        >>> h, w = jnp.ones((2, 4)), jnp.zeros((4, 5))   # uniform logits over 5 classes
+        >>> print(np.asarray(nx.cross_entropy(h, w, jnp.array([1, 3]), hidden=1, vocab=1)).round(4))
+        [1.6094 1.6094]
     """
     op = "nx.cross_entropy"
     h, w, labels = jnp.asarray(h), jnp.asarray(w), jnp.asarray(labels)

@@ -201,8 +201,31 @@ def _resolve_names(spec: EinsumSpec) -> dict[str, tuple[tuple[str, ...], tuple[s
                     f"{op}: names {other!r} and {name!r} are both carried by axis {axis!r}, so "
                     f"no device holds the pairs of positions the spec combines. Map one of "
                     f"them to other mesh axes (or none) in axis_resources.")
-        resolved[name] = _axis_env.split_vmap_and_mesh(physical, op=op)
+        resolved[name] = _axis_env.split_vmap_and_mesh(
+            physical, op=op, positional_hint=_positional_hint(spec))
     return resolved
+
+
+def _positional_hint(spec: EinsumSpec) -> str:
+    """How to write ``spec`` for positional dims: its names as letters, when
+    each name is one letter that no term uses positionally."""
+    names = {n for t in (*spec.inputs, spec.output) for n in t.names}
+    letters = {p for t in (*spec.inputs, spec.output) for p in t.positional}
+    generic = "for positional dims, write letters instead of a named group"
+    if not all(len(n) == 1 and n.isalpha() for n in names) or names & letters:
+        return generic
+    sides = []
+    for side in spec.text.replace(" ", "").split("->"):   # '>' of '->' closes no group
+        spelled, in_group = [], False
+        for char in side:
+            if char in "<{":
+                in_group = True
+            elif char in ">}":
+                in_group = False
+            elif not (in_group and char == ","):
+                spelled.append(char)
+        sides.append("".join(spelled))
+    return f"{generic} (e.g. {'->'.join(sides)!r})"
 
 
 def _term_axes(term: Term, resolved) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -220,6 +243,13 @@ def einsum(spec: str, *operands: ArrayLike, precision: PrecisionLike = None,
     letters are positional dims, names in ``<...>`` are named axes; a name in
     operands but not in the result is summed (across devices where it is
     mapped to a mesh). Output dtype and ``precision`` as in ``jnp.einsum``.
+
+    Examples:
+        >>> dot = nx.xmap(lambda a, b: nx.einsum('<k>,<k>-><>', a, b), [['k'], ['k']], [...])
+        >>> print(dot(jnp.array([1., 2.]), jnp.array([3., 4.])))    # contracts the named 'k'
+        11.0
+        >>> print(nx.einsum('ij,j->i', jnp.ones((2, 3)), jnp.arange(3.)))   # letters alone: jnp.einsum
+        [3. 3.]
     """
     parsed = parse_einsum_spec(spec)
     for name, fixed in omitted_groups(parsed).items():
@@ -232,11 +262,13 @@ def einsum(spec: str, *operands: ArrayLike, precision: PrecisionLike = None,
                          f"given {len(operands)} operands.")
     if not operands:
         raise NxopsError("nx.einsum needs at least one operand.")
+    # Names first: outside any xmap an unbound name is the error to report,
+    # not the rank mismatch it causes (named axes are not dims of the operand).
+    resolved = _resolve_names(parsed)
     dtype, logical = _compute_dtype(jnp.result_type(*operands), preferred_element_type)
     operands = [jnp.asarray(x, dtype) for x in operands]
     labels_per_operand, out_labels, operands = _expand_ellipsis(parsed, operands)
     _check_sizes(parsed, operands, labels_per_operand)
-    resolved = _resolve_names(parsed)
     out_vmap, out_mesh = _term_axes(parsed.output, resolved)
     kernels = selection_param()
     work = []
@@ -287,6 +319,12 @@ def pdot(x: ArrayLike, y: ArrayLike, axis_name: AxisNames, *, pos_contract: PosD
     tuple) and positional ``pos_contract``, batching over ``pos_batch``.
 
     The result's dims are the batch dims, then x's, then y's remaining dims.
+
+    Examples:
+        >>> f = nx.xmap(lambda a, b: nx.pdot(a, b, 'k'), [['k', ...], ['k', ...]], [...])
+        >>> print(f(jnp.ones((4, 2)), jnp.ones((4, 3))))   # [2] x [3] summed over 4 positions of 'k'
+        [[4. 4. 4.]
+         [4. 4. 4.]]
     """
     names = _axis_env.as_name_tuple(axis_name)
     physical = _axis_env.resolve(names, op="nx.pdot")

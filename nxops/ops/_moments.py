@@ -42,13 +42,25 @@ def _check_ddof(ddof, op: str):
 def var(x: ArrayLike, axis: Axis, *, ddof: int | float = 0) -> jax.Array:
     """Variance of ``x`` over ``axis`` (ints and/or names), as ``jnp.var``:
     ``sum(|x - mean|^2) / (N - ddof)`` with ``N`` the number of elements
-    reduced; complex inputs give real variances, integers give floats."""
+    reduced; complex inputs give real variances, integers give floats.
+
+    Examples:
+        >>> f = nx.xmap(lambda row: nx.var(row, 'row'), [['row', ...]], [...])
+        >>> print(f(jnp.arange(6.).reshape(2, 3)))
+        [2.25 2.25 2.25]
+    """
     return _variance(x, axis, ddof, "var")
 
 
 def std(x: ArrayLike, axis: Axis, *, ddof: int | float = 0) -> jax.Array:
     """Standard deviation of ``x`` over ``axis`` (ints and/or names), as
-    ``jnp.std``: ``sqrt(nx.var(x, axis, ddof=ddof))``."""
+    ``jnp.std``: ``sqrt(nx.var(x, axis, ddof=ddof))``.
+
+    Examples:
+        >>> f = nx.xmap(lambda row: nx.std(row, 'row', ddof=1), [['row', ...]], [...])
+        >>> print(np.asarray(f(jnp.arange(6.).reshape(2, 3))).round(4))    # sqrt(4.5)
+        [2.1213 2.1213 2.1213]
+    """
     return lax.sqrt(_variance(x, axis, ddof, "std"))
 
 

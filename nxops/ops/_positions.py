@@ -24,7 +24,13 @@ def _position_parts(axis_name, op: str):
 
 def axis_index(axis_name: AxisNames) -> jax.Array:
     """This position along named ``axis_name``: global, whatever carries it
-    (mesh axes, serial loops, the vmap tile; names in a tuple major to minor)."""
+    (mesh axes, serial loops, the vmap tile; names in a tuple major to minor).
+
+    Examples:
+        >>> f = nx.xmap(lambda v: v * nx.axis_index('i'), [['i']], ['i'])
+        >>> print(f(jnp.ones(4)))
+        [0. 1. 2. 3.]
+    """
     parts = _position_parts(axis_name, "nx.axis_index")
     names = tuple(p.physical for p in parts)
     # Physical axes only: one lax.axis_index (over several names it asks the
@@ -47,14 +53,28 @@ def _physical_axis_index(name) -> jax.Array:
 
 
 def axis_size(axis_name: AxisNames) -> int:
-    """The size of named ``axis_name`` (a static int, loops included)."""
+    """The size of named ``axis_name`` (a static int, loops included).
+
+    Examples:
+        >>> f = nx.xmap(lambda v: v * nx.axis_size('i'), [['i']], ['i'])
+        >>> print(f(jnp.ones(4)))
+        [4. 4. 4. 4.]
+    """
     return math.prod(p.size for p in _position_parts(axis_name, "nx.axis_size"))
 
 
 def one_hot(x: ArrayLike, num_classes: int | None = None, *, axis: int | AxisNames = -1,
             dtype: DTypeLike = jnp.float32) -> jax.Array:
     """``jax.nn.one_hot``, where ``axis`` may be a name: the result then varies
-    along that named axis (``x == axis_index(axis)``), as in the old xmap."""
+    along that named axis (``x == axis_index(axis)``), as in the old xmap.
+
+    Examples:
+        >>> f = nx.xmap(lambda label: nx.one_hot(label, 3, axis='cls'), [['b']], ['b', 'cls'],
+        ...             axis_sizes={'cls': 3})
+        >>> print(f(jnp.array([2, 0])))
+        [[0. 0. 1.]
+         [1. 0. 0.]]
+    """
     if isinstance(axis, int):
         if num_classes is None:
             raise NxopsError("nx.one_hot: num_classes is needed for a positional axis.")

@@ -337,32 +337,71 @@ def reduce(x, axis, op: str, *, public_name: str | None = None):
 
 
 def sum(x: ArrayLike, axis: Axis) -> jax.Array:  # noqa: A001 - mirrors jnp.sum
-    """Sum of ``x`` over ``axis``: an int, a name, or a tuple mixing both."""
+    """Sum of ``x`` over ``axis``: an int, a name, or a tuple mixing both.
+
+    Examples:
+        >>> f = nx.xmap(lambda row: nx.sum(row, 0), in_axes=[['row', ...]], out_axes=['row'])
+        >>> print(f(jnp.arange(6.).reshape(2, 3)))      # a positional dim: each row's sum
+        [ 3. 12.]
+        >>> g = nx.xmap(lambda row: nx.sum(row, ('row', 0)), [['row', ...]], [...])
+        >>> print(g(jnp.arange(6.).reshape(2, 3)))      # the name and the dim: everything
+        15.0
+    """
     return reduce(x, axis, "sum")
 
 
 def max(x: ArrayLike, axis: Axis) -> jax.Array:  # noqa: A001
-    """Maximum of ``x`` over ``axis`` (ints and/or names)."""
+    """Maximum of ``x`` over ``axis`` (ints and/or names).
+
+    Examples:
+        >>> f = nx.xmap(lambda row: nx.max(row, 'row'), [['row', ...]], [...])
+        >>> print(f(jnp.arange(6.).reshape(2, 3)))      # over the named rows: per column
+        [3. 4. 5.]
+    """
     return reduce(x, axis, "max")
 
 
 def min(x: ArrayLike, axis: Axis) -> jax.Array:  # noqa: A001
-    """Minimum of ``x`` over ``axis`` (ints and/or names)."""
+    """Minimum of ``x`` over ``axis`` (ints and/or names).
+
+    Examples:
+        >>> f = nx.xmap(lambda row: nx.min(row, 'row'), [['row', ...]], [...])
+        >>> print(f(jnp.arange(6.).reshape(2, 3)))
+        [0. 1. 2.]
+    """
     return reduce(x, axis, "min")
 
 
 def prod(x: ArrayLike, axis: Axis) -> jax.Array:
-    """Product of ``x`` over ``axis`` (ints and/or names)."""
+    """Product of ``x`` over ``axis`` (ints and/or names).
+
+    Examples:
+        >>> f = nx.xmap(lambda row: nx.prod(row, 0), [['row', ...]], ['row'])
+        >>> print(f(jnp.arange(1., 7.).reshape(2, 3)))
+        [  6. 120.]
+    """
     return reduce(x, axis, "prod")
 
 
 def logsumexp(x: ArrayLike, axis: Axis) -> jax.Array:
-    """``log(sum(exp(x)))`` over ``axis``, computed stably (max-shifted)."""
+    """``log(sum(exp(x)))`` over ``axis``, computed stably (max-shifted).
+
+    Examples:
+        >>> f = nx.xmap(lambda row: nx.logsumexp(row, 'row'), [['row', ...]], [...])
+        >>> print(np.asarray(f(jnp.zeros((4, 2)))).round(4))    # log(4) per column
+        [1.3863 1.3863]
+    """
     return reduce(x, axis, "logsumexp")
 
 
 def mean(x: ArrayLike, axis: Axis) -> jax.Array:
-    """Mean of ``x`` over ``axis`` (ints and/or names); integer inputs give floats, as in jnp."""
+    """Mean of ``x`` over ``axis`` (ints and/or names); integer inputs give floats, as in jnp.
+
+    Examples:
+        >>> f = nx.xmap(lambda row: nx.mean(row, 'row'), [['row', ...]], [...])
+        >>> print(f(jnp.arange(6.).reshape(2, 3)))
+        [1.5 2.5 3.5]
+    """
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.inexact):
         x = x.astype(jnp.result_type(float))
@@ -396,6 +435,11 @@ def psum(x: PyTree, axis_name: AxisNames) -> PyTree:
     Works on pytrees, like ``lax.psum``. A static value (Python/NumPy) is the
     same everywhere, so its psum is static too: ``nx.psum(1, 'i')`` is the
     size of ``'i'``, as in the old xmap tutorial.
+
+    Examples:
+        >>> f = nx.xmap(lambda v: v / nx.psum(v, 'i'), [['i']], ['i'])
+        >>> print(f(jnp.array([1., 3.])))               # each position's share of the total
+        [0.25 0.75]
     """
     names = _names_only(axis_name, "psum")
 
@@ -407,18 +451,36 @@ def psum(x: PyTree, axis_name: AxisNames) -> PyTree:
 
 
 def pmax(x: PyTree, axis_name: AxisNames) -> PyTree:
-    """Maximum over named axes (on pytrees, like ``lax.pmax``)."""
+    """Maximum over named axes (on pytrees, like ``lax.pmax``).
+
+    Examples:
+        >>> f = nx.xmap(lambda v: nx.pmax(v, 'i'), [['i']], [...])
+        >>> print(f(jnp.array([1., 3., 2.])))
+        3.0
+    """
     names = _names_only(axis_name, "pmax")
     return jax.tree_util.tree_map(lambda v: reduce(v, names, "max", public_name="pmax"), x)
 
 
 def pmin(x: PyTree, axis_name: AxisNames) -> PyTree:
-    """Minimum over named axes (on pytrees, like ``lax.pmin``)."""
+    """Minimum over named axes (on pytrees, like ``lax.pmin``).
+
+    Examples:
+        >>> f = nx.xmap(lambda v: nx.pmin(v, 'i'), [['i']], [...])
+        >>> print(f(jnp.array([1., 3., 2.])))
+        1.0
+    """
     names = _names_only(axis_name, "pmin")
     return jax.tree_util.tree_map(lambda v: reduce(v, names, "min", public_name="pmin"), x)
 
 
 def pmean(x: PyTree, axis_name: AxisNames) -> PyTree:
-    """Mean over named axes (on pytrees, like ``lax.pmean``)."""
+    """Mean over named axes (on pytrees, like ``lax.pmean``).
+
+    Examples:
+        >>> f = nx.xmap(lambda v: v - nx.pmean(v, 'i'), [['i']], ['i'])
+        >>> print(f(jnp.array([1., 3., 2.])))           # centred along 'i'
+        [-1.  1.  0.]
+    """
     names = _names_only(axis_name, "pmean")
     return jax.tree_util.tree_map(lambda v: mean(v, names), x)

@@ -85,7 +85,14 @@ def tile(x: ArrayLike, axes: Tiling) -> jax.Array:
     """This position's tile of ``x`` (replicated over the names) along each
     ``{name: dim}``: ``x`` split into ``axis_size(name)`` equal tiles along
     ``dim``. A key may be a tuple of names (major to minor), as in ``untile``.
-    No communication: the inverse of ``untile``."""
+    No communication: the inverse of ``untile``.
+
+    Examples:
+        >>> f = nx.xmap(lambda v: nx.tile(v, {'i': 0}), [[...]], ['i', ...], axis_sizes={'i': 2})
+        >>> print(f(jnp.arange(4.)))                    # position p keeps tile p
+        [[0. 1.]
+         [2. 3.]]
+    """
     x = _check_tiling(x, axes, "tile")
     for key, dim in axes.items():
         dim %= x.ndim
@@ -131,7 +138,13 @@ def _tile_one_name(x, name, dim: int):
 def untile(x: ArrayLike, axes: Tiling) -> jax.Array:
     """Gathers the tiles of ``x`` along each ``{name: dim}`` (one all-gather per
     name over its mesh axes; local work for vmapped names). The result is
-    replicated over the names: the inverse of ``tile``."""
+    replicated over the names: the inverse of ``tile``.
+
+    Examples:
+        >>> f = nx.xmap(lambda v: nx.untile(v, {'i': 0}), [['i', ...]], [...])
+        >>> print(f(jnp.arange(4.).reshape(2, 2)))      # the tiles, gathered in order
+        [0. 1. 2. 3.]
+    """
     x = _check_tiling(x, axes, "untile")
     for name, dim in axes.items():
         x = all_gather(x, name, axis=dim % x.ndim, tiled=True)

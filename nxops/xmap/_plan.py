@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import difflib
 import math
 from typing import Any, Sequence, Union
 
@@ -230,7 +231,7 @@ def plan_axis_resources(sizes: dict[str, int], axis_resources: dict[str, tuple],
     for name in order:
         resources = axis_resources.get(name, ())
         mesh_axes, axis_loops, missing = _resolve(name, resources, mesh, loops)
-        all_missing += missing
+        all_missing += [(name, r) for r in missing]
         if missing:
             continue
         busy = [a for a in mesh_axes if a in manual]
@@ -265,18 +266,39 @@ def plan_axis_resources(sizes: dict[str, int], axis_resources: dict[str, tuple],
         axes.append(AxisPlan(name, sizes[name], tuple(mesh_axes), tuple(axis_loops),
                              sizes[name] // total, _vmap_name(name, mesh_axes, axis_loops, mesh)))
     if all_missing:
-        raise NxopsError(
-            f"In-scope resources are insufficient to execute the xmapped function. The "
-            f"missing resources are: {', '.join(map(repr, dict.fromkeys(all_missing)))}. "
-            f"Mesh axes in scope: {list(mesh.axis_names) if mesh is not None else 'none'}; "
-            f"serial loops in scope: {list(loops) or 'none'}. Call it under "
-            f"jax.set_mesh(mesh) or inside `with nx.serial_loop(name, length):`.")
+        raise _missing_resources_error(all_missing, mesh, loops)
     used_loops = tuple(dict.fromkeys(loop for a in axes for loop in a.loops))
     used_mesh = tuple(a for a in (mesh.axis_names if mesh is not None else ())
                       if any(a in p.mesh_axes for p in axes))
     if used_mesh and hidden is not None:
         raise NeedsMesh()
     return Plan(tuple(axes), used_loops, mesh if used_mesh else None, used_mesh)
+
+
+def _missing_resources_error(missing: list[tuple[str, Any]], mesh: Mesh | None,
+                             loops: dict) -> NxopsError:
+    """Resources that name neither a mesh axis nor a loop in scope. Without a
+    mesh, the fix is likely to set one; with one, the name is likely wrong."""
+    names = ", ".join(dict.fromkeys(repr(r) for _, r in missing))
+    head = (f"In-scope resources are insufficient to execute the xmapped function. The "
+            f"missing resources are: {names}")
+    in_scope = f"serial loops in scope: {list(loops) or 'none'}"
+    if mesh is None:
+        return NxopsError(
+            f"{head}. Mesh axes in scope: none; {in_scope}. Call it under "
+            f"jax.set_mesh(mesh) or inside `with nx.serial_loop(name, length):`.")
+    axes = [str(a) for a in mesh.axis_names]
+    which = "; ".join(
+        f"axis_resources[{name!r}] names {r!r}, which the mesh in scope does not have"
+        + (f" (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(str(r), axes, n=1))
+           else "")
+        for name, r in missing)
+    sizes = ", ".join(f"{a}={mesh.shape[a]}" for a in mesh.axis_names)
+    return NxopsError(
+        f"{head}: {which}. The mesh in scope has axes {axes} ({sizes}); {in_scope}. "
+        f"Name the mesh's axes in axis_resources, or call it under a mesh with those "
+        f"axes (jax.set_mesh(mesh)); a name that is a loop needs "
+        f"`with nx.serial_loop(name, length):` around the call.")
 
 
 def _mesh_note(mesh: Mesh | None, mesh_axes: Sequence[str]) -> str:

@@ -40,6 +40,12 @@ class SerialLoop:
     forward in the backward pass, so only one step's residuals are live; False
     keeps all of them (faster, no memory saved); a ``jax.checkpoint`` policy
     keeps what it names (e.g. ``jax.checkpoint_policies.dots_saveable``).
+
+    Examples:
+        >>> f = nx.xmap(lambda v: v * 2, ['i', ...], ['i', ...],
+        ...             axis_resources={'i': nx.SerialLoop(2)})   # 'i' in 2 steps of 2
+        >>> print(f(jnp.arange(4.)))
+        [0. 2. 4. 6.]
     """
 
     length: int
@@ -82,6 +88,12 @@ def serial_loop(name: str, length: int, *, remat: Any = True) -> Iterator[None]:
 
     Loops nest; an inner loop may not reuse the name of an enclosing one.
     ``remat``: as for ``SerialLoop``.
+
+    Examples:
+        >>> f = nx.xmap(lambda v: v * 2, ['i', ...], ['i', ...], axis_resources={'i': 'steps'})
+        >>> with nx.serial_loop('steps', 2):
+        ...     print(f(jnp.arange(4.)))
+        [0. 2. 4. 6.]
     """
     if not isinstance(name, str):
         raise NxopsError(f"serial_loop({name!r}, {length!r}): the loop name must be a str.")

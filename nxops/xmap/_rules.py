@@ -52,7 +52,14 @@ def check_rules(rules: Any) -> Rules:
 @contextlib.contextmanager
 def axis_rules(rules: AxisRules) -> Iterator[None]:
     """Uses ``rules`` for every ``nx.xmap`` called in the block without
-    ``axis_resources`` (like flax's ``nn.logical_axis_rules``)."""
+    ``axis_resources`` (like flax's ``nn.logical_axis_rules``).
+
+    Examples:
+        >>> f = nx.xmap(lambda v: v + 1, ['batch', ...], ['batch', ...])   # no axis_resources
+        >>> with jax.set_mesh(jax.make_mesh((1,), ('data',))), nx.axis_rules([('batch', 'data')]):
+        ...     print(f(jnp.arange(2.)))                 # 'batch' runs over mesh axis 'data'
+        [1. 2.]
+    """
     token = _RULES.set(check_rules(rules))
     try:
         yield

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import difflib
 import functools
 import weakref
 from typing import Any, Callable, Mapping, Sequence
@@ -17,6 +18,7 @@ from nxops._jax import legacy_mesh_context as _legacy_meshes   # what `with mesh
 from nxops._jax import mesh_lib as _mesh_lib
 from nxops._jax import spmd_axis_names
 from nxops._errors import NxopsError
+from nxops._traceback import api_boundary
 from nxops._platforms import normalize_platform
 from nxops._typing import AxisResources
 from nxops.ops._axis_env import (current_logical_axes, current_logical_axes_map, logical_axes,
@@ -78,10 +80,7 @@ class XmapFunction:
         out_names = spec_names(self._out_axes)
         missing = [n for n in out_names if n not in defined]
         if missing:
-            raise NxopsError(
-                f"All axis names appearing in out_axes must also appear in in_axes or "
-                f"axis_sizes, but the following are missing: {', '.join(map(repr, missing))} "
-                f"(out_axes={out_axes!r}). Give their sizes with axis_sizes={{name: size}}.")
+            raise _missing_out_names_error(missing, defined, in_axes, out_axes)
         # Names only the body may use (old xmap: `lax.psum(x, 'i')` with
         # axis_sizes={'i': 4}); checked once the body is traced (_check_body_uses).
         self._body_only_names = [n for n in self._axis_sizes if n not in in_names + out_names]
@@ -111,6 +110,7 @@ class XmapFunction:
         return (f"nx.xmap({getattr(self._fun, '__name__', self._fun)}, "
                 f"in_axes={self._user_in_axes!r}, out_axes={self._user_out_axes!r})")
 
+    @api_boundary
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
             raise NxopsError("xmapped functions take positional arguments only "
@@ -150,12 +150,51 @@ class XmapFunction:
         # Inputs committed to devices other than the mesh's: move them, then retry.
         return jitted(*self._place_on_mesh(args))
 
+    @api_boundary
     def lower(self, *args: Any) -> jax.stages.Lowered:
-        """Lowers for these arguments (``.compile()``, ``.as_text()``, ...)."""
+        """Lowers for these arguments (``.compile()``, ``.as_text()``, ...).
+
+        Examples:
+            >>> f = nx.xmap(lambda v: nx.sum(v, 'i'), [['i', ...]], [...])
+            >>> compiled = f.lower(jnp.ones((4, 3))).compile()
+            >>> print(compiled(jnp.ones((4, 3))))
+            [4. 4. 4.]
+        """
         try:
             return self._jitted().lower(*self._typed_per_plan(self._place_on_mesh(args)))
         except TypeError as e:
             raise _non_array_argument_error(args) or e
+
+    @api_boundary
+    def in_shardings(self, *args: Any) -> tuple:
+        """Where each argument belongs under the plan, on the mesh in scope.
+
+        Returns a pytree like ``args`` of full-rank ``NamedSharding``s (the
+        plan's ``PartitionSpec`` per argument, replicated where the plan maps
+        nothing to the mesh). ``jax.device_put(args, f.in_shardings(*args))``
+        places parameters and optimizer state once: a jitted training step
+        then returns the updated ones with the same shardings, so no step
+        recompiles (docs/training.md).
+
+        Examples:
+            >>> f = nx.xmap(lambda w, b: w * b, [['a', ...], [...]], ['a', ...],
+            ...             axis_resources={'a': 'x'})
+            >>> with jax.set_mesh(jax.make_mesh((1,), ('x',))):
+            ...     w_at, b_at = f.in_shardings(jnp.ones((4, 3)), jnp.ones(3))
+            >>> w_at.spec == jax.sharding.PartitionSpec('x', None)    # full rank
+            True
+            >>> b_at.spec == jax.sharding.PartitionSpec(None)          # replicated
+            True
+        """
+        targets = self._shardings_per_plan(args)
+        if targets is None:
+            raise NxopsError(
+                f"{self!r}.in_shardings(...) needs the mesh the program runs on: call it "
+                f"under jax.set_mesh(mesh) (or `with mesh:`), outside any xmap or shard_map "
+                f"body. Without a mesh the program runs on one device and any placement works.")
+        leaves, tree = jax.tree.flatten(args)
+        return jax.tree.unflatten(tree, [_full_rank(s, len(_shape(x)))
+                                         for s, x in zip(targets[0], leaves)])
 
     # -- the jitted program, one per context --------------------------------
 
@@ -347,6 +386,34 @@ class XmapFunction:
         return [NamedSharding(mesh, plan.partition_spec(spec, len(shape)) if on_mesh
                               else PartitionSpec())
                 for shape, spec in zip(shapes, flat_specs)], on_mesh
+
+
+def _missing_out_names_error(missing: list, defined: list, in_axes: Any,
+                             out_axes: Any) -> NxopsError:
+    """out_axes names no input or axis_sizes defines: likely misspelled when
+    close to a defined name, else a broadcast result that needs its size."""
+    spelled = {n: difflib.get_close_matches(str(n), map(str, defined), n=1) for n in missing}
+    if any(spelled.values()):
+        guesses = "; ".join(f"did you mean {close[0]!r} for {name!r}?" if close
+                            else f"{name!r} is like no input name"
+                            for name, close in spelled.items())
+        return NxopsError(
+            f"out_axes={_quote(out_axes)} names {', '.join(map(repr, missing))}, which "
+            f"in_axes={_quote(in_axes)} does not: {guesses} Fix the spelling; a result "
+            f"broadcast along a new name needs its size in axis_sizes={{name: size}}.")
+    return NxopsError(
+        f"All axis names appearing in out_axes must also appear in in_axes or "
+        f"axis_sizes, but the following are missing: {', '.join(map(repr, missing))} "
+        f"(out_axes={_quote(out_axes)}). Give their sizes with axis_sizes={{name: size}}.")
+
+
+def _full_rank(sharding: NamedSharding, ndim: int) -> NamedSharding:
+    """``sharding`` with its spec padded to ``ndim`` entries: jit returns
+    results with full-rank specs, and ``P('mp')`` differs from ``P('mp', None)``
+    in jit's cache key, so an argument placed with the short one and fed back
+    from a step's result would compile the step twice."""
+    spec = tuple(sharding.spec)
+    return NamedSharding(sharding.mesh, PartitionSpec(*spec, *[None] * (ndim - len(spec))))
 
 
 def _untyped_by_stale_mesh(x):
@@ -591,11 +658,19 @@ def xmap(fun: Callable[..., Any], in_axes: Any, out_axes: Any, *,
         ``jax.set_mesh(mesh)`` (or the legacy ``with mesh:``), loop names from
         ``nx.serial_loop``. Resources never change results, only where and how
         the work runs.
-      donate_argnums, backend: as for ``jax.jit``.
+      donate_argnums: as for ``jax.jit``.
+      backend: as for ``jax.jit``.
 
     Returns:
       A callable (also ``.lower(*args)`` -> ``jax.stages.Lowered``) whose plan
       and compiled program are cached per argument signature.
+
+    Examples:
+        >>> f = nx.xmap(lambda x: x - nx.mean(x, 'batch'), in_axes=['batch', ...],
+        ...             out_axes=['batch', ...])
+        >>> print(f(jnp.array([[1., 2.], [3., 6.]])))
+        [[-1. -2.]
+         [ 1.  2.]]
     """
     return XmapFunction(fun, in_axes, out_axes, axis_sizes=axis_sizes,
                         axis_resources=axis_resources, donate_argnums=donate_argnums,
