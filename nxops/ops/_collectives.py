@@ -28,6 +28,7 @@ from nxops import kernels as _kernels
 from nxops.ops import _axis_env, _fusion
 from nxops.kernels.xla import collectives as xla_collectives
 from nxops.kernels.xla import tile as xla_tile
+from nxops.ops._mesh_variance import mark_mesh_variance
 from nxops.ops._primitive import kernel_primitive, selection_param
 from nxops._typing import ArrayLike, AxisNames, DTypeLike, Tiling
 
@@ -90,7 +91,9 @@ def _mesh_collective(op: str, x, mesh_names: tuple[str, ...], **params):
     invariant = tuple(n for n in mesh_names if n not in aval.manual_axis_type.varying)
     if invariant:
         x = lax.pcast(x, invariant, to="varying")
-    return choice.kernel.fn(x, axis_name, platform=platform, **params)
+    out = choice.kernel.fn(x, axis_name, platform=platform, **params)
+    # What the kernel's equations may not say (xmap reads it: _mesh_variance.py).
+    return mark_mesh_variance(out, mesh_names, varies=op != "all_gather")
 
 
 # --- the vmap part: layout changes along a vmapped name ------------------------
