@@ -197,6 +197,7 @@ class XmapFunction:
             nested = _ENCLOSING_MESH.get() is not None
             plan, flat_specs = self._plan(args, mesh, resources)
             _refuse_inputs_on_another_mesh(args, plan, flat_specs)
+            args = _replicated_off_mesh(args)
             if self._body_only_names:
                 with _enclosing_mesh():
                     self._check_body_uses(plan, args, flat_specs)
@@ -607,6 +608,24 @@ def _refuse_inputs_on_another_mesh(args: tuple, plan: Plan, flat_specs: list) ->
             f"jax.grad, jax.vmap, ...) cannot be moved there. Move it before the transformation: "
             f"x = jax.device_put(x, jax.NamedSharding(mesh, {pspec})), or make it under the "
             f"mesh the xmap runs on.")
+
+
+def _replicated_off_mesh(args: tuple) -> tuple:
+    """With no mesh in scope, inputs typed as split over a mesh (made under
+    ``jax.set_mesh`` on Explicit axes) retyped replicated on it: the body's
+    ``jax.vmap`` refuses to map inputs whose types split them differently
+    ("Mapped away dimension of inputs passed to vmap should be sharded the
+    same"). Under a mesh, ``_refuse_inputs_on_another_mesh`` decides."""
+    if mesh_in_scope() is not None or _mesh_lib.get_abstract_mesh().manual_axes:
+        return args
+
+    def replicated(x):
+        sharding = jax.typeof(x).sharding
+        if sharding.mesh.empty or all(entry is None for entry in sharding.spec):
+            return x
+        with jax.sharding.use_abstract_mesh(sharding.mesh):
+            return jax.sharding.reshard(x, PartitionSpec(*[None] * x.ndim))
+    return jax.tree.map(replicated, args)
 
 
 def _show_mesh(mesh) -> str:

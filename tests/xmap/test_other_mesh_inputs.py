@@ -73,3 +73,20 @@ def test_traced_input_from_another_mesh_is_an_nxops_error_saying_how_to_move_it(
     for line, res in zip(lines, _placements_of(used)):
         assert line.startswith(f"{res} NxopsError: xmap argument args[0] lives on another mesh"), line
         assert "this xmap runs under mesh {'x': " in line and "jax.device_put(x, " in line, line
+
+
+def test_inputs_split_differently_on_a_mesh_run_with_none_in_scope():
+    """Made under jax.set_mesh (Explicit axes), one split and one replicated,
+    used with no mesh: the body's vmap refused inputs split differently."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import nxops as nx
+    mesh = jax.make_mesh((4, 2), ("x", "y"))
+    data = np.arange(32, dtype=np.float32).reshape(8, 4)
+    x = jax.device_put(data, NamedSharding(mesh, P("x")))
+    y = jax.device_put(data + 1, NamedSharding(mesh, P()))
+    f = nx.xmap(lambda a, b: nx.sum(a * b, "b"), [["b", ...], ["b", ...]], [...])
+    for run in (f, jax.jit(f)):
+        np.testing.assert_allclose(np.asarray(run(x, y)), (data * (data + 1)).sum(0))
