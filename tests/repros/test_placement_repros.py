@@ -1,6 +1,6 @@
-"""Issue 32's placement repros: each file, run unchanged, exits 0 and prints
-its expected result. t12 aborted the whole process inside XLA, so it runs in
-a process of its own: an abort fails this test, not the run."""
+"""The placement repros: each file, run unchanged, exits 0 and prints its
+expected result. The other-mesh one aborted the whole process inside XLA, so
+it runs in a process of its own: an abort fails this test, not the run."""
 import os
 import subprocess
 import sys
