@@ -9,7 +9,7 @@ from nxops._supported_jax import check_jax_version
 check_jax_version()   # before the rest: outside the range, their imports fail obscurely
 
 from nxops._errors import NxopsError  # noqa: E402  (after the version check)
-from nxops._version import __version__  # noqa: E402  (after the version check)
+from nxops._version import __version__ as __version__  # noqa: E402  (after the version check)
 from nxops import _config  # noqa: E402,F401  (after the version check; validates every NXOPS_* variable)
 from nxops import hlo, kernels, random  # noqa: E402  (after the version check)
 from nxops._export import export  # noqa: E402  (after the version check)

@@ -132,7 +132,8 @@ def bernoulli(key: jax.Array, p: ArrayLike = 0.5, shape: Sequence[int] | None = 
         >>> f = nx.xmap(lambda k: nx.random.bernoulli(k, 0.5, (2,), names='i'), [[...]], ['i', ...],
         ...             axis_sizes={'i': 3})
         >>> draws = f(key)                               # position p draws with fold_in(key, p)
-        >>> print(draws.shape, bool((draws[2] == jax.random.bernoulli(jax.random.fold_in(key, 2), 0.5, (2,))).all()))
+        >>> third = jax.random.bernoulli(jax.random.fold_in(key, 2), 0.5, (2,))
+        >>> print(draws.shape, bool((draws[2] == third).all()))
         (3, 2) True
     """
     _check_sampler_args(key, () if shape is None else shape, "bernoulli")

@@ -23,6 +23,7 @@ from nxops.kernels.xla import collectives as xla_collectives
 from nxops.ops import _axis_env
 from nxops.ops._named_layout import along_vmap_names
 from nxops.ops._positions import axis_index, axis_size
+from nxops.ops._mesh_variance import mark_mesh_variance
 
 
 def _auto_partitioned_axes_here() -> bool:
@@ -55,7 +56,9 @@ def _mesh_collective(op: str, x, mesh_names: tuple[str, ...], **params):
     invariant = tuple(n for n in mesh_names if n not in aval.manual_axis_type.varying)
     if invariant:
         x = lax.pcast(x, invariant, to="varying")
-    return choice.kernel.fn(x, axis_name, platform=platform, **params)
+    out = choice.kernel.fn(x, axis_name, platform=platform, **params)
+    # What the kernel's equations may not say (xmap reads it: _mesh_variance.py).
+    return mark_mesh_variance(out, mesh_names, varies=op != "all_gather")
 
 
 def all_gather(x: ArrayLike, axis_name: AxisNames, *, axis: int = 0,

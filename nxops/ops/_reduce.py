@@ -184,13 +184,44 @@ ad.primitive_transposes[reduce_p] = _sum_transpose
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
 def _mesh_extremum(y, mesh_names, op):
     """``lax.pmax``/``pmin`` with a derivative (JAX has none): ties share the
-    tangent equally, as ``jnp.max`` does. NaN propagates as in ``jnp.max``
-    (XLA:CPU's all-reduce max drops it, so it is reduced separately)."""
-    out = (lax.pmax if op == "max" else lax.pmin)(y, mesh_names)
-    if not jnp.issubdtype(y.dtype, jnp.inexact):
-        return out
-    any_nan = lax.pmax(jnp.isnan(y).astype(jnp.int32), mesh_names)
-    return jnp.where(any_nan > 0, jnp.asarray(jnp.nan, out.dtype), out)
+    tangent equally, as ``jnp.max`` does. NaN propagates as in ``jnp.max``,
+    which XLA:CPU's all-reduce max does not do: floats are reduced as integer
+    keys of a total order in which NaN wins (one all-reduce, no NaN flag)."""
+    reduce_keys = lax.pmax if op == "max" else lax.pmin
+    if not jnp.issubdtype(y.dtype, jnp.floating):
+        return reduce_keys(y, mesh_names)
+    if jnp.dtype(y.dtype) not in _KEY_DTYPES:   # 8-bit floats: exact in f32 (the result is an input)
+        return _mesh_extremum(y.astype(jnp.float32), mesh_names, op).astype(y.dtype)
+    keys = reduce_keys(_float_order_keys(y, nan_wins=op), mesh_names)
+    return _floats_of_order_keys(keys, y.dtype)
+
+
+# A float's bits as a signed integer are ordered like the float for values
+# >= +0.0 and reversed below it; flipping all but the sign bit of negative
+# ones gives keys ordered as -NaN < -inf < ... < -0.0 < +0.0 < ... < +inf <
+# +NaN (the order jnp.max and jnp.min use for signed zeros too). NaNs are
+# first made the NaN of the winning sign. 16-bit floats get int32 keys (NCCL
+# has no 16-bit integer reduction).
+_KEY_DTYPES = {jnp.dtype(jnp.float16): jnp.int16, jnp.dtype(jnp.bfloat16): jnp.int16,
+               jnp.dtype(jnp.float32): jnp.int32, jnp.dtype(jnp.float64): jnp.int64}
+
+
+def _float_order_keys(y, nan_wins: str):
+    """Integer keys of ``y`` ordered like it, with its NaNs above (``nan_wins``
+    "max") or below ("min") every other value."""
+    nan = jnp.asarray(jnp.nan if nan_wins == "max" else -jnp.nan, y.dtype)
+    bits = lax.bitcast_convert_type(jnp.where(jnp.isnan(y), nan, y), _KEY_DTYPES[y.dtype])
+    keys = jnp.where(bits < 0, bits ^ jnp.iinfo(bits.dtype).max, bits)
+    return keys.astype(jnp.int32) if bits.dtype == jnp.int16 else keys
+
+
+def _floats_of_order_keys(keys, dtype):
+    """The inverse of ``_float_order_keys`` (a NaN comes back as ``jnp.nan``)."""
+    bits_dtype = _KEY_DTYPES[jnp.dtype(dtype)]
+    bits = keys.astype(bits_dtype)
+    bits = jnp.where(bits < 0, bits ^ jnp.iinfo(bits_dtype).max, bits)
+    out = lax.bitcast_convert_type(bits, dtype)
+    return jnp.where(jnp.isnan(out), jnp.asarray(jnp.nan, dtype), out)
 
 
 @_mesh_extremum.defjvp

@@ -124,9 +124,19 @@ class XmapFunction:
             jitted = self._jitted_for(probe)
         try:
             return jitted(*args)
+        except _InputsOnAnotherMesh as e:
+            # Arrays typed on another mesh: moved here, outside any trace (one
+            # program holding both meshes can abort the process in XLA).
+            placed = self._place_on_mesh(args)
+            if placed is args:   # traced inputs: the user moves them
+                raise NxopsError(str(e)) from None
+            return jitted(*placed)
         except TypeError as e:
             # jit could not abstract an argument: name it (jit names xmap's inner `run`).
-            raise _non_array_argument_error(args) or e
+            error = _non_array_argument_error(args)
+            if error is None:
+                raise
+            raise error from e
         except ValueError as e:
             # Checked only after a failure, so the common call pays nothing.
             if isinstance(e, NxopsError):
@@ -162,8 +172,13 @@ class XmapFunction:
         """
         try:
             return self._jitted().lower(*self._typed_per_plan(self._place_on_mesh(args)))
+        except _InputsOnAnotherMesh as e:
+            raise NxopsError(str(e)) from None
         except TypeError as e:
-            raise _non_array_argument_error(args) or e
+            error = _non_array_argument_error(args)
+            if error is None:
+                raise
+            raise error from e
 
     @api_boundary
     def in_shardings(self, *args: Any) -> tuple:
@@ -226,6 +241,8 @@ class XmapFunction:
         def run(*args):
             nested = _ENCLOSING_MESH.get() is not None
             plan, flat_specs = self._plan(args, mesh, resources)
+            _refuse_inputs_on_another_mesh(args, plan, flat_specs)
+            args = _replicated_off_mesh(args)
             if self._body_only_names:
                 with _enclosing_mesh():
                     self._check_body_uses(plan, args, flat_specs)
@@ -337,19 +354,21 @@ class XmapFunction:
         return plan, flat_specs
 
     def _place_on_mesh(self, args: tuple) -> tuple:
-        """``device_put`` committed inputs that live on devices outside the mesh:
-        per the plan, or replicated when the plan maps nothing to the mesh."""
+        """``device_put`` committed inputs that live elsewhere than the mesh
+        (other devices, or another mesh: see ``_elsewhere``): per the plan, or
+        replicated when the plan maps nothing to the mesh. ``args`` itself
+        when none does."""
         leaves, tree = jax.tree.flatten(args)
         committed = [isinstance(x, _ArrayImpl) and x.committed for x in leaves]
         targets = self._shardings_per_plan(args) if any(committed) else None
         if targets is None:
             return args
         shardings, _ = targets
-        devices = set(shardings[0].mesh.devices.flat) if shardings else set()
-
-        leaves = [jax.device_put(_untyped_by_stale_mesh(x), sharding)
-                  if c and x.sharding.device_set != devices else x
-                  for x, sharding, c in zip(leaves, shardings, committed)]
+        moved = [_elsewhere(x, sharding.mesh) for x, sharding in zip(leaves, shardings)]
+        if not any(moved):
+            return args
+        leaves = [jax.device_put(_untyped_by_stale_mesh(x), sharding) if m else x
+                  for x, sharding, m in zip(leaves, shardings, moved)]
         return jax.tree.unflatten(tree, leaves)
 
     def _typed_per_plan(self, args: tuple) -> tuple:
@@ -611,14 +630,81 @@ def _process_local_inputs(args: tuple) -> bool:
 
 
 def _committed_elsewhere(args: tuple) -> bool:
-    """Whether some input is committed to devices other than the mesh's (a
-    subset of them, or devices outside the mesh)."""
+    """Whether some input is committed elsewhere than the mesh in scope."""
     mesh = mesh_in_scope()
-    if mesh is None:
+    return mesh is not None and any(_elsewhere(x, mesh) for x in jax.tree.leaves(args))
+
+
+def _elsewhere(x, mesh: Mesh) -> bool:
+    """Whether ``x`` is an array committed elsewhere than ``mesh``: to other
+    devices (a subset, or outside it), or sharded or typed on another mesh of
+    them (other axis names, sizes, device order or axis types). Such an input
+    is moved onto ``mesh`` before the program runs: one program holding both
+    meshes is refused by JAX, or aborts the process in XLA (Shardy makes the
+    other mesh's axes sub-axes of the program's, and a manual sub-axis is a
+    CHECK failure)."""
+    if not (isinstance(x, _ArrayImpl) and x.committed):
         return False
-    devices = set(mesh.devices.flat)
-    return any(isinstance(x, _ArrayImpl) and x.committed and x.sharding.device_set != devices
-               for x in jax.tree.leaves(args))
+    sharding = x.sharding
+    if sharding.device_set != set(mesh.devices.flat):
+        return True
+    if isinstance(sharding, NamedSharding) and sharding.mesh != mesh:
+        return True
+    typed_on = jax.typeof(x).sharding.mesh
+    return not typed_on.empty and typed_on != mesh.abstract_mesh
+
+
+class _InputsOnAnotherMesh(NxopsError):
+    """An input typed on another mesh than the xmap's. Raised while tracing;
+    a call with concrete arrays moves them onto the mesh and runs again, so
+    users see it only for traced inputs (inside jax.jit, jax.grad, ...)."""
+
+
+def _refuse_inputs_on_another_mesh(args: tuple, plan: Plan, flat_specs: list) -> None:
+    """Raises _InputsOnAnotherMesh for an input typed on a mesh other than
+    the one in scope: JAX refuses to mix them in one program (a raw
+    ValueError or KeyError), or XLA aborts the process compiling it. A nested
+    xmap's inputs are the enclosing body's values (on its manual mesh)."""
+    mesh = mesh_in_scope()
+    if mesh is None or _mesh_lib.get_abstract_mesh().manual_axes:
+        return   # (with no mesh JAX runs an input typed on one as it is)
+    for (path, x), spec in zip(jax.tree_util.tree_flatten_with_path(args)[0], flat_specs):
+        typed_on = jax.typeof(x).sharding.mesh
+        if typed_on.empty or typed_on == mesh.abstract_mesh:
+            continue
+        pspec = plan.partition_spec(spec, x.ndim) if plan.mesh is not None else PartitionSpec()
+        raise _InputsOnAnotherMesh(
+            f"xmap argument args{jax.tree_util.keystr(path)} lives on another mesh, "
+            f"{_show_mesh(typed_on)}, but this xmap runs under mesh {_show_mesh(mesh)}. "
+            f"One program cannot hold both meshes (JAX refuses it, and XLA may abort the "
+            f"process). nxops moves concrete arrays itself; a traced one (inside jax.jit, "
+            f"jax.grad, jax.vmap, ...) cannot be moved there. Move it before the transformation: "
+            f"x = jax.device_put(x, jax.NamedSharding(mesh, {pspec})), or make it under the "
+            f"mesh the xmap runs on.")
+
+
+def _replicated_off_mesh(args: tuple) -> tuple:
+    """With no mesh in scope, inputs typed as split over a mesh (made under
+    ``jax.set_mesh`` on Explicit axes) retyped replicated on it: the body's
+    ``jax.vmap`` refuses to map inputs whose types split them differently
+    ("Mapped away dimension of inputs passed to vmap should be sharded the
+    same"). Under a mesh, ``_refuse_inputs_on_another_mesh`` decides."""
+    if mesh_in_scope() is not None or _mesh_lib.get_abstract_mesh().manual_axes:
+        return args
+
+    def replicated(x):
+        sharding = jax.typeof(x).sharding
+        if sharding.mesh.empty or all(entry is None for entry in sharding.spec):
+            return x
+        with jax.sharding.use_abstract_mesh(sharding.mesh):
+            return jax.sharding.reshard(x, PartitionSpec(*[None] * x.ndim))
+    return jax.tree.map(replicated, args)
+
+
+def _show_mesh(mesh) -> str:
+    """``{'x': 2, 'y': 4} (Explicit, Explicit)``: a mesh's axes, sizes and types."""
+    types = ", ".join(str(t).rsplit(".", 1)[-1] for t in getattr(mesh, "axis_types", ()))
+    return f"{dict(zip(mesh.axis_names, mesh.axis_sizes))} ({types})"
 
 
 def _context_probe() -> tuple:

@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 from jax.sharding import AxisType
 
 import nxops as nx
-from nxops.kernels import _tolerances
+from tests import _tolerances
 
 from tests.ops._util import assert_close
 

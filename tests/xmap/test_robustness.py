@@ -194,7 +194,8 @@ def test_pdot_with_non_tuple_dims_raises_an_nxops_error():
 
 def test_empty_nxops_kernels_means_auto():
     assert str(_selection.parse_selection("")) == str(_selection.parse_selection("auto"))
-    run = subprocess.run([sys.executable, "-c", "import nxops; print(nxops.kernels._selection.current_selection())"],
+    probe = "import nxops; print(nxops.kernels._selection.current_selection())"
+    run = subprocess.run([sys.executable, "-c", probe],
                          capture_output=True, text=True, timeout=120,
                          env={**__import__("os").environ, "NXOPS_KERNELS": "", "JAX_PLATFORMS": "cpu"})
     assert run.returncode == 0, run.stderr[-2000:]

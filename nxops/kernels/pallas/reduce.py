@@ -444,8 +444,9 @@ def not_supported_reasons(x, *, platform: str, axes, op: str, **params) -> list[
     reasons = []
     dtype = jnp.dtype(x.dtype)
     if dtype not in _checks.FLOAT_DTYPES:
-        reasons.append(f"Pallas reductions take float32/bfloat16/float16 inputs, not {dtype} "
-                       "(integer and float64 reductions use xla)")
+        reasons.append(f"Pallas reductions take float32/bfloat16/float16 inputs, not {dtype}: "
+                       "they accumulate in float32, exact for neither integer sums beyond 2**24 "
+                       "nor float64 (integer and float64 reductions use xla)")
     elif platform == "tpu" and dtype == jnp.float16:
         reasons.append("float16 has no native TPU support; Pallas TPU reductions take f32/bf16")
     if op not in xla_reduce.REDUCE_OPS:

@@ -26,8 +26,9 @@ def register_kernel(op: str, fn, not_supported_reasons, *, description: str) -> 
 
 def float_dtype_reasons(what: str, *dtypes) -> list[str]:
     """A reason for each dtype the kernels do not take (they accumulate in f32)."""
-    return [f"{what} take float32/bfloat16/float16, not {jnp.dtype(d)} (integer and float64 "
-            "cases use xla)" for d in dict.fromkeys(jnp.dtype(d) for d in dtypes)
+    return [f"{what} take float32/bfloat16/float16, not {jnp.dtype(d)}: they accumulate in "
+            "float32, exact for neither integer sums beyond 2**24 nor float64 (integer and "
+            "float64 cases use xla)" for d in dict.fromkeys(jnp.dtype(d) for d in dtypes)
             if d not in FLOAT_DTYPES]
 
 
