@@ -1,4 +1,4 @@
-"""Errors a new user meets first (issue 19) name the fix in the user's terms:
+"""Errors a new user meets first name the fix in the user's terms:
 no internal axis names, no JAX tracer classes, install commands that work."""
 import re
 import shlex

@@ -1,4 +1,4 @@
-"""Regression tests of issue 20's crashes and raw errors: each runs the
+"""Regression tests of crashes and raw errors: each runs the
 reported program (``files/<name>``) unchanged and checks what it prints."""
 import ast
 import warnings

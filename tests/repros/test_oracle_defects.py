@@ -1,4 +1,4 @@
-"""Regression tests of the defects the composed oracle found (issue 20, o01-o10):
+"""Regression tests of the defects the composed oracle found (o01-o10):
 each is a small positional program with nxops, read with np.asarray, checked
 against NumPy or the positional JAX program (jax.vmap with axis_name)."""
 import contextlib

@@ -5,7 +5,7 @@ import pytest
 
 from tests.repros._run import exit_code_and_lines
 
-OPEN = pytest.mark.xfail(strict=True, reason="issue 27: open")
+OPEN = pytest.mark.xfail(strict=True, reason="open defect")
 
 
 def test_t01_fg_custom_vjp_compiles_like_plain_psum():

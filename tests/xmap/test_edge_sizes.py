@@ -1,5 +1,5 @@
 """Sizes 0 and dtypes at the edges (bool, complex), on every placement: the result
-matches NumPy, or the op refuses with an NxopsError on every placement (issue 20)."""
+matches NumPy, or the op refuses with an NxopsError on every placement."""
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -219,7 +219,7 @@ def test_mesh_axis_already_used_by_enclosing_xmap(mesh):
                                                   (jax.lax.pmean, "nx.pmean", "jnp.mean")])
 def test_raw_collective_over_a_looped_name(raw, nx_op, outside):
     # A looped name's vmap tile is mangled, so a raw collective cannot silently
-    # reduce over one chunk only. The nx op is refused on a loop too (issue 27):
+    # reduce over one chunk only. The nx op is refused on a loop too:
     # the error says what does work, which the test then follows.
     body = lambda x: x * 2
     f = xmap(lambda x: raw(body(x), "a"), ["a", ...], [...],
@@ -314,7 +314,7 @@ def test_einsum_over_two_names_sharing_a_mesh_axis_is_refused():
         np.testing.assert_allclose(g(u, v), u.sum() * v.sum())
 
 
-# -- issue 20: unclear errors, each with the exact call ----------------------
+# -- unclear errors, each with the exact call ----------------------
 
 def test_dict_spec_with_a_float_key_quotes_the_whole_spec():
     with _raises(re.escape("entry {0.5: 'a'} (in in_axes=[{0.5: 'a'}])")):
@@ -431,7 +431,7 @@ def test_raw_psum_on_an_unknown_name():
         f(jnp.ones((2, 2)))
 
 
-# -- issue 27's bad inputs --------------------------------------------------------
+# -- bad inputs -----------------------------------------------------------------
 
 def _has_devices(platform: str) -> bool:
     try:

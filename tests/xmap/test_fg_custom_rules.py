@@ -1,5 +1,5 @@
-"""Megatron/GPT-J f/g operators (custom_vjps around nx.psum) in xmap bodies
-(issue 27): one gradient on every placement, outside and inside the body,
+"""Megatron/GPT-J f/g operators (custom_vjps around nx.psum) in xmap bodies:
+one gradient on every placement, outside and inside the body,
 against the positional program (jax.vmap with axis_name); and a transformer
 block written with f/g compiles to no more transposes or copies than the same
 block with plain nx.psum."""

@@ -1,6 +1,6 @@
 """Resources never change results: values, gradients (outside and inside the
 body) and position queries under every placement, against NumPy or a
-positional JAX program written without nxops (issue 9, defects 1-4 and 8)."""
+positional JAX program written without nxops."""
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -1,4 +1,4 @@
-"""Regression tests for issue 9's crashes, raw errors and silent mistakes
+"""Regression tests for crashes, raw errors and silent mistakes
 (defects 5-7 and 9-17): each case gives a correct result against NumPy, or an
 NxopsError that names the problem."""
 import subprocess

@@ -1,4 +1,4 @@
-"""SerialLoop saves memory under jax.grad as it does forward (issue 21): each
+"""SerialLoop saves memory under jax.grad as it does forward: each
 loop step is rematerialized in the backward pass (``SerialLoop(n, remat=...)``).
 Temporary memory is a compile-time fact (``memory_analysis``), so it is asserted."""
 import jax

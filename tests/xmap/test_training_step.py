@@ -1,5 +1,5 @@
 """An xmapped training step compiles to the program its hand-written
-``jax.shard_map`` twin compiles to (issue 21): the same optimized HLO,
+``jax.shard_map`` twin compiles to: the same optimized HLO,
 instruction for instruction once names and source locations are left out
 (so the same op counts, layouts and collectives), and the same values and
 gradients, for data-parallel, model-parallel and mixed placements, forward
@@ -141,8 +141,7 @@ def _spec(*axes) -> P:
 def test_compiled_shardings_are_the_named_shardings_jax_jit_gives(placement, axis_type):
     # Inputs with no sharding of their own (NumPy): the compiled program reports
     # the plan's NamedShardings, as jax.jit of the same placement does (its
-    # arguments typed with their shardings), not bare GSPMDShardings (issue 27,
-    # Build 5).
+    # arguments typed with their shardings), not bare GSPMDShardings.
     batch, shard = PLACEMENTS[placement].get("batch"), PLACEMENTS[placement].get("shard")
     explicit = axis_type == "Explicit"
     mesh = jax.make_mesh((DP, MP), ("dp", "mp"),
@@ -175,7 +174,7 @@ def test_compiled_shardings_are_the_named_shardings_jax_jit_gives(placement, axi
                                        rtol=1e-5, atol=1e-5)
 
 
-# --- the same step with Megatron/GPT-J f/g operators (issue 27) --------------
+# --- the same step with Megatron/GPT-J f/g operators -----------------------
 # GPT-J writes its tensor parallelism with f (identity forward, psum backward)
 # and g (psum forward, identity backward) and takes jax.value_and_grad inside
 # the xmapped step, then averages the gradients over 'batch'. Its twin is the
