@@ -361,7 +361,7 @@ def _reshard_from_no_mesh(x, sharding: NamedSharding, replicated: NamedSharding)
     """``reshard(x, sharding)`` for an input typed on no mesh, whose tangent
     goes through the replicated type: the cotangent then comes back typed
     replicated, not sharded on a mesh the input's type lacks (jax.jacrev fails
-    on that: r12). The value itself moves straight to ``sharding``."""
+    on that). The value itself moves straight to ``sharding``."""
     return jax.sharding.reshard(x, sharding)
 
 
@@ -438,7 +438,7 @@ def _over_mesh(local_program: Callable, plan: Plan, in_specs: list[AxisSpec],
         else:
             passed = [(_reshard_inside_manual_region(x, plan, s), s) for x, s in passed]
         # Under jax.vmap(..., spmd_axis_name=...) the spmd axes are manual too:
-        # JAX's batching rule of a shard_map that leaves them automatic fails (r13).
+        # JAX's batching rule of a shard_map that leaves them automatic fails.
         axis_names = frozenset(plan.mesh_axes) | spmd_axis_names()
         in_pspecs = tuple(plan.partition_spec(s, x.ndim) for x, s in passed)
         narrowed = [_narrowed_dtype(x, p, axis_names) for (x, _), p in zip(passed, in_pspecs)]
@@ -447,7 +447,7 @@ def _over_mesh(local_program: Callable, plan: Plan, in_specs: list[AxisSpec],
         out_specs: list = []   # filled in once the body's results are known
         # Zero-size results hold no data either: they are made outside the
         # shard_map (a zero-size result sharded over mesh axes cannot be read:
-        # PJRT hands back each shard with the global shape, o01). Per result:
+        # PJRT hands back each shard with the global shape). Per result:
         # None, or the ShapeDtypeStruct of the global zero-size value.
         empty_results: list = []
 
@@ -494,7 +494,7 @@ def constrain_on_auto_mesh(x, plan: Plan, spec: AxisSpec):
     """A top-level result, sharded per the plan over a mesh of Auto axes (the
     legacy ``with mesh:``): the shard_map fixes only the plan's axes (and a
     plan without mesh axes none), and the partitioner would otherwise keep a
-    nested xmap's sharding over the other ones (t03). On Explicit axes the
+    nested xmap's sharding over the other ones. On Explicit axes the
     result's type already says the plan's; off a mesh there is nothing to say."""
     mesh = plan.mesh if plan.mesh is not None else jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.manual_axes or AxisType.Explicit in tuple(mesh.axis_types):

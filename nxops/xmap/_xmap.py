@@ -439,7 +439,7 @@ def _untyped_by_stale_mesh(x):
     """``x``, copied if its type names a mesh its devices are not (``device_put(y,
     device)`` of an array made under ``jax.set_mesh`` keeps the mesh in the
     type): JAX cannot move such an array onto a mesh ("Length of device
-    assignment 1 is not equal to the size of the mesh", t08); the copy, typed
+    assignment 1 is not equal to the size of the mesh"); the copy, typed
     on no mesh, moves."""
     if isinstance(x.sharding, NamedSharding) or jax.typeof(x).sharding.mesh.empty:
         return x
