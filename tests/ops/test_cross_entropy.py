@@ -99,7 +99,7 @@ def test_positional_matches_unfused(tokens, hidden, vocab, chunk, dtype, logits,
 def test_ignored_positions_give_zero_loss_and_no_gradient():
     h, w, labels, _ = operands(3, 4, 9, jnp.float32, "normal", 0, None)
     labels = labels.at[1].set(-1)
-    fused = lambda h: nx.cross_entropy(h, w, labels, hidden=1, vocab=1, ignore_index=-1)  # noqa: E731
+    fused = lambda h: nx.cross_entropy(h, w, labels, hidden=1, vocab=1, ignore_index=-1)
     loss = fused(h)
     dh = jax.grad(lambda h: jnp.sum(fused(h)))(h)
     assert loss[1] == 0 and np.all(np.asarray(dh[1]) == 0) and np.all(np.asarray(loss)[[0, 2]] > 0)
@@ -200,7 +200,7 @@ def test_named_placements_match_unfused(axis_type, placement):
 
 def test_hidden_and_vocab_both_named_bf16():
     h, w, labels, _ = operands(T, H, V, jnp.bfloat16, "normal", 3, None)
-    body = lambda h, w, l: nx.cross_entropy(h, w, l, hidden="hid", vocab="vocab")  # noqa: E731
+    body = lambda h, w, l: nx.cross_entropy(h, w, l, hidden="hid", vocab="vocab")
     xmapped = nx.xmap(body, [["tok", "hid"], ["hid", "vocab"], ["tok"]], ["tok"])
     got = loss_and_grads(lambda h, w, l: (xmapped(h, w, l), jnp.zeros(T)), h, w, labels,
                          jnp.zeros(T))
@@ -229,7 +229,7 @@ def test_compiled_step_holds_no_copy_of_the_weight(dtype):
     structs = (jax.ShapeDtypeStruct((tokens, hidden), dtype),
                jax.ShapeDtypeStruct((hidden, vocab), dtype),
                jax.ShapeDtypeStruct((tokens,), jnp.int32))
-    loss = lambda h, w, l: nx.cross_entropy(h, w, l, hidden=1, vocab=1, vocab_chunk=256).sum()  # noqa: E731
+    loss = lambda h, w, l: nx.cross_entropy(h, w, l, hidden=1, vocab=1, vocab_chunk=256).sum()
     compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*structs).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
     assert temp < hidden * vocab * jnp.dtype(dtype).itemsize, temp
@@ -267,7 +267,7 @@ def test_errors_named_axes(mesh):
     h, w, labels = named_operands()
     with pytest.raises(nx.NxopsError, match="'vocab' is not bound here"):
         nx.cross_entropy(h, w[:, 0], labels, hidden=1, vocab="vocab")
-    body = lambda h, w, l: nx.cross_entropy(h, w, l, hidden="hid", vocab="vocab")  # noqa: E731
+    body = lambda h, w, l: nx.cross_entropy(h, w, l, hidden="hid", vocab="vocab")
     on_mesh = nx.xmap(body, [["tok", "hid"], ["hid", "vocab"], ["tok"]], ["tok"],
                       axis_resources={"hid": "y"})
     looped = nx.xmap(fused_body, IN_AXES, ["tok"], axis_resources={"vocab": nx.SerialLoop(2)})
