@@ -208,15 +208,18 @@ def tangent(h, w, labels, lse, dh, dw, size: int) -> jax.Array:
 # z-loss, per-token weights) the backward recomputes dw by chunks instead.
 # The label's one-hot part is a gather (dh) and a scatter-add (dw).
 
-BLOCK_LOGITS_BYTES = 32 << 20   # one block's f32 logits [tokens in block, vocab]
+# One block's f32 logits [tokens in block, vocab]: within this, or within the
+# f32 dw the path holds anyway where that is larger (fewer, larger blocks:
+# fewer read-modify-writes of dw, each a matmul over more tokens).
+BLOCK_LOGITS_BYTES = 32 << 20
 # The stored path holds an f32 dw and dh from the forward to the backward:
 # ``auto`` takes it while those fit this budget, and recomputes beyond.
 STORED_GRADS_BYTES = 256 << 20
 
 
-def token_block(tokens: int, vocab: int) -> int:
+def token_block(tokens: int, hidden: int, vocab: int) -> int:
     """Tokens per step of the stored path: a power of two whose logits fit the budget."""
-    fits = max(1, BLOCK_LOGITS_BYTES // (4 * max(vocab, 1)))
+    fits = max(1, max(BLOCK_LOGITS_BYTES, 4 * hidden * vocab) // (4 * max(vocab, 1)))
     return max(1, min(tokens, 1 << (fits.bit_length() - 1)))
 
 
@@ -227,39 +230,47 @@ def stored_grads_fit(tokens, hidden: int, vocab: int) -> bool:
     return 4 * (hidden * vocab + tokens * hidden) <= STORED_GRADS_BYTES and tokens > 0
 
 
+def label_logits(h, w, labels):
+    """[T] f32: each token's logit at its label (0 where the label is outside
+    [0, V)): a gather of w's label columns, not a pass over the logits."""
+    own = (labels >= 0) & (labels < w.shape[1])
+    columns = jnp.take(w, jnp.where(own, labels, 0), axis=1).T          # [T, H]
+    picked = jnp.sum(h.astype(F32) * columns.astype(F32), axis=1)
+    return jnp.where(own, picked, 0.0)
+
+
 def forward_with_grads(h, w, labels):
     """(stats [2, T] as ``forward``, softmax·wᵀ [T, H] f32, hᵀ·softmax [H, V] f32)."""
     (tokens, hidden), vocab = h.shape, w.shape[1]
-    block = token_block(tokens, vocab)
+    block = token_block(tokens, hidden, vocab)
     count = -(-tokens // block)
-    columns = lax.broadcasted_iota(jnp.int32, (1, vocab), 1)
 
     def step(i, carry):
-        stats, dh_unit, dw_unit = carry
+        lse, dh_unit, dw_unit = carry
         first = i * block
         start = jnp.minimum(first, tokens - block)
         h_block = lax.dynamic_slice_in_dim(h, start, block, axis=0)
-        labels_block = lax.dynamic_slice_in_dim(labels, start, block, axis=0)
         # Rows shared with the block before: written again, added to dw once.
         new = (start + lax.broadcasted_iota(jnp.int32, (block, 1), 0)) >= first
         logits = _logits(h_block, w)
         top = jnp.max(logits, axis=1)
         shift = jnp.where(jnp.isfinite(top), top, 0.0)
+        # The softmax's normalization is per token: it scales dh's rows and
+        # h's rows (for dw), never the [block, V] exponentials themselves.
         exp = jnp.exp(logits - shift[:, None])
         total = jnp.sum(exp, axis=1)
-        picked = jnp.sum(jnp.where(columns == labels_block[:, None], logits, 0.0), axis=1)
-        softmax = (exp / total[:, None]).astype(h.dtype)
-        dh_block = _dot(softmax, w, ((1,), (1,)))
-        h_new = jnp.where(new, h_block, jnp.zeros((), h.dtype))
-        dw_unit = dw_unit + _dot(h_new, softmax, ((0,), (0,)))
-        stats = lax.dynamic_update_slice_in_dim(
-            stats, jnp.stack([shift + jnp.log(total), picked]), start, axis=1)
+        exp = exp.astype(h.dtype)
+        dh_block = _dot(exp, w, ((1,), (1,))) / total[:, None]
+        h_scaled = jnp.where(new, h_block.astype(F32) / total[:, None], 0.0).astype(h.dtype)
+        dw_unit = dw_unit + _dot(h_scaled, exp, ((0,), (0,)))
+        lse = lax.dynamic_update_slice_in_dim(lse, shift + jnp.log(total), start, axis=0)
         dh_unit = lax.dynamic_update_slice_in_dim(dh_unit, dh_block, start, axis=0)
-        return stats, dh_unit, dw_unit
+        return lse, dh_unit, dw_unit
 
-    init = (jnp.zeros((2, tokens), F32), jnp.zeros((tokens, hidden), F32),
+    init = (jnp.zeros((tokens,), F32), jnp.zeros((tokens, hidden), F32),
             jnp.zeros((hidden, vocab), F32))
-    return lax.fori_loop(0, count, step, init)
+    lse, dh_unit, dw_unit = lax.fori_loop(0, count, step, init)
+    return jnp.stack([lse, label_logits(h, w, labels)]), dh_unit, dw_unit
 
 
 def backward_from_stored(h, w, labels, lse, g, dh_unit, dw_unit, size: int,
