@@ -416,9 +416,13 @@ def cross_entropy(h: ArrayLike, w: ArrayLike, labels: ArrayLike, *, hidden: str 
     chunk = None if vocab_chunk is None else int(vocab_chunk)
     stats = _bind(h2, w2, local_labels, chunk=chunk, backward=backward, kernels=selection_param())
     lse, picked = _combine_vocab_shards(stats, vocab_mesh) if vocab_mesh else (stats[0], stats[1])
-    # A label that is no vocab id has no logit: NaN, as the unfused take would give.
+    # A label that is no vocab id (nor ignored) has no logit: NaN, as the
+    # unfused take would give; made by the subtraction, so that checkify's
+    # nan_checks reports it as an error.
     outside = (labels < 0) | (labels >= _vocab_size(w2, vocab_mesh))
-    loss = jnp.where(outside, jnp.nan, lse - picked)
+    if kept is not None:
+        outside = outside & kept
+    loss = lse - jnp.where(outside, jnp.nan, picked)
     if kept is not None:
         loss, lse = jnp.where(kept, loss, 0.0), jnp.where(kept, lse, 0.0)
     loss, lse = loss.reshape(token_shape), lse.reshape(token_shape)

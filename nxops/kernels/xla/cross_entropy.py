@@ -156,13 +156,15 @@ def _backward(h, w, labels, lse, g_lse, g_picked, size: int, need_dh: bool = Tru
     gradient not needed)."""
     vocab = w.shape[1]
     count, _ = _chunk_starts(vocab, size)
+    # (A NaN row of h would still reach dw through its zero d(logits): the
+    # named layer replaces ignored rows before the primitive. Replacing them
+    # here too would cost a tokens x hidden copy of h.)
     live = _live_rows(g_lse, g_picked)[:, None]
-    h_live = jnp.where(live, h, jnp.zeros((), h.dtype))
 
     def step(i, carry):
         dh, dw = carry
         w_chunk, start, columns, new = _chunk(w, i, size, vocab)
-        softmax = jnp.exp(_logits(h_live, w_chunk) - lse[:, None])
+        softmax = jnp.exp(_logits(h, w_chunk) - lse[:, None])
         hit = columns == labels[:, None]
         dlogits = softmax * g_lse[:, None] + jnp.where(hit, g_picked[:, None], 0.0)
         dlogits = jnp.where(live, dlogits, 0.0)
@@ -171,7 +173,7 @@ def _backward(h, w, labels, lse, g_lse, g_picked, size: int, need_dh: bool = Tru
         if need_dh:
             dh = dh + _dot(jnp.where(new, dlogits, 0.0).astype(h.dtype), w_chunk, ((1,), (1,)))
         if need_dw:
-            dw_chunk = _dot(h_live, dlogits.astype(h.dtype), ((0,), (0,)))
+            dw_chunk = _dot(h, dlogits.astype(h.dtype), ((0,), (0,)))
             dw = lax.dynamic_update_slice_in_dim(dw, dw_chunk.astype(dw.dtype), start, axis=1)
         return dh, dw
 
