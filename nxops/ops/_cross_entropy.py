@@ -28,6 +28,7 @@ from nxops._errors import NxopsError
 from nxops._jax import config as jax_config
 from nxops._jax import dispatch
 from nxops._typing import ArrayLike
+from nxops.kernels import parse_selection
 from nxops.kernels.xla import cross_entropy as xla_cross_entropy
 from nxops.ops import _axis_env, _fusion
 from nxops.ops._collectives import _along_vmap_names, _mesh_platform
@@ -105,15 +106,19 @@ batching.primitive_batchers[cross_entropy_p] = _cross_entropy_batcher
 EMPTY = (0,)
 
 
-def _stores_grads(backward: str, tokens, hidden, vocab) -> bool:
+def _stores_grads(backward: str, tokens, hidden, vocab, kernels: str = "auto") -> bool:
     """Whether the forward pass makes the gradients (three matmuls) or the
     backward recomputes the logits (four): ``auto`` stores while the f32 dw
-    and dh it holds fit ``STORED_GRADS_BYTES``. No tokens, or a symbolic
-    count (``nx.export``): nothing to store, or no static block; recompute."""
+    and dh it holds fit ``STORED_GRADS_BYTES``, unless a kernel is selected
+    for the forward (``cross_entropy=pallas``: the stored path's forward is
+    the XLA loop, so it would not run). No tokens, or a symbolic count
+    (``nx.export``): nothing to store, or no static block; recompute."""
     if not (isinstance(tokens, int) and tokens > 0):
         return False
     if backward == "auto":
-        return xla_cross_entropy.stored_grads_fit(tokens, hidden, vocab)
+        selected = parse_selection(kernels).backend_for("cross_entropy")
+        return selected in ("auto", "xla") and \
+            xla_cross_entropy.stored_grads_fit(tokens, hidden, vocab)
     return backward == "in_forward"
 
 
@@ -196,7 +201,7 @@ def _cross_entropy_jvp(primals, tangents, *, chunk, backward, kernels):
     h, w, labels = primals
     dh, dw = tangents[:2]
     (tokens, hidden), vocab = h.shape, w.shape[1]
-    stored = _stores_grads(backward, tokens, hidden, vocab)
+    stored = _stores_grads(backward, tokens, hidden, vocab, kernels)
     if stored:
         stats, dh_unit, dw_unit = xla_cross_entropy.forward_with_grads(h, w, labels)
     else:
