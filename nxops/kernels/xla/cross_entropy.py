@@ -68,18 +68,22 @@ def _chunk(w, step, size: int, vocab: int):
 F32 = jnp.float32
 
 
-def _dot(a, b, contracting: tuple[tuple[int], tuple[int]]):
-    """``a``·``b`` over the ``contracting`` dims, accumulated in f32. On XLA:CPU
-    16-bit operands are upcast first: its dot thunks lack some bf16 x bf16 ->
-    f32 layouts (a transposed ``h`` under jit), and a product of two 16-bit
-    floats is exact in f32, so the result is the same."""
+def _dot(a, b, contracting: tuple[tuple[int], tuple[int]], dtype=None):
+    """``a``·``b`` over the ``contracting`` dims, accumulated in f32, the
+    operands taken in ``dtype`` (default: ``a``'s; f32 operands are rounded
+    to a 16-bit ``dtype`` first). On XLA:CPU 16-bit operands are upcast
+    instead: its dot thunks lack some bf16 x bf16 -> f32 layouts (a transposed
+    ``h`` under jit), and a product of two 16-bit floats is exact in f32, so
+    the result is the same (and an f32 operand is used unrounded there)."""
+    dtype = jnp.dtype(dtype or a.dtype)
+
     def native(a, b):
         return lax.dot_general(a, b, (contracting, ((), ())), preferred_element_type=F32)
 
-    if jnp.dtype(a.dtype).itemsize >= 4:
+    if dtype.itemsize >= 4:
         return native(a, b)
     return lax.platform_dependent(a, b, cpu=lambda a, b: native(a.astype(F32), b.astype(F32)),
-                                  default=native)
+                                  default=lambda a, b: native(a.astype(dtype), b.astype(dtype)))
 
 
 def _logits(h, w_chunk):
@@ -262,10 +266,10 @@ def forward_with_grads(h, w, labels):
         # h's rows (for dw), never the [block, V] exponentials themselves.
         exp = jnp.exp(logits - shift[:, None])
         total = jnp.sum(exp, axis=1)
-        exp = exp.astype(h.dtype)
-        dh_block = _dot(exp, w, ((1,), (1,))) / total[:, None]
-        h_scaled = jnp.where(new, h_block.astype(F32) / total[:, None], 0.0).astype(h.dtype)
-        return start, shift + jnp.log(total), dh_block, _dot(h_scaled, exp, ((0,), (0,)))
+        dh_block = _dot(exp, w, ((1,), (1,)), h.dtype) / total[:, None]
+        h_scaled = jnp.where(new, h_block.astype(F32) / total[:, None], 0.0)
+        dw_block = _dot(h_scaled, exp, ((0,), (0,)), h.dtype)
+        return start, shift + jnp.log(total), dh_block, dw_block
 
     def write(carry, block_products):
         lse, dh_unit = carry
