@@ -1,5 +1,5 @@
-"""Memory of the fused ``nx.cross_entropy`` against the unfused loss
-(``nx.einsum`` + ``nx.logsumexp`` + take by label), issue 26.
+"""Memory and speed of the fused ``nx.cross_entropy`` against the unfused
+loss (``nx.einsum`` + ``nx.logsumexp`` + take by label).
 
 The figure is ``jax.jit(jax.value_and_grad(loss)).lower(...).compile()
 .memory_analysis().temp_size_in_bytes``: compiled only, from
@@ -17,12 +17,22 @@ The figure is ``jax.jit(jax.value_and_grad(loss)).lower(...).compile()
 (bench/README.md quotes it); under pytest each program is compiled at a small
 size and at the large one, and both the bytes and the HLO check are asserted.
 The small size also runs, and its result is checked against the unfused one.
+
+Speed (``python -m bench.bench_cross_entropy``, or ``--speed`` / ``--memory``
+for one part): wall time of ``jit(value_and_grad(loss))`` and of ``jit(loss)``
+at ``SPEED_SIZE`` on this process's CPU device, f32 and bf16. Each round runs
+the fused and the unfused program once each, alternating which goes first;
+the figure is the median over rounds of the per-round ratio (a shared,
+noisy machine moves both programs of a round alike).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
+import statistics
+import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import nxops as nx
 from tests._tolerances import assert_close
-from nxops.measure._cases import fused_loss, unfused_loss
+from nxops.measure._cases import unfused_loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +54,8 @@ class Size:
 
 
 SIZES = {"small": Size(64, 32, 1000), "large": Size(8192, 2048, 128256)}
+SPEED_SIZE = Size(2048, 512, 32768)
+SPEED_ROUNDS = 7
 VOCAB_DEVICES = 4
 GOAL = 0.02   # the fused temp at most 2% of the unfused one (at the large size)
 
@@ -51,8 +63,21 @@ GOAL = 0.02   # the fused temp at most 2% of the unfused one (at the large size)
 # --- the two losses, positional and vocab-parallel ---------------------------
 
 
-def fused_body(h, w, labels):
-    return nx.cross_entropy(h, w, labels, hidden=1, vocab="vocab")
+# The memory figures are the recompute backward's (what ``auto`` takes at the
+# large size); the stored one (``auto`` at the small and the speed sizes)
+# holds an f32 dw and blocks of logits by design (docs/cross_entropy.md).
+MEMORY_BACKWARD = "recompute"
+
+
+def fused_loss(h, w, labels, backward="auto"):
+    return jnp.mean(nx.cross_entropy(h, w, labels, hidden=1, vocab=1, backward=backward))
+
+
+memory_fused_loss = functools.partial(fused_loss, backward=MEMORY_BACKWARD)
+
+
+def fused_body(h, w, labels, backward=MEMORY_BACKWARD):
+    return nx.cross_entropy(h, w, labels, hidden=1, vocab="vocab", backward=backward)
 
 
 def unfused_body(h, w, labels):
@@ -98,7 +123,7 @@ def large_all_gathers(compiled, size: Size, devices: int) -> list:
 def cpu_figures(size: Size) -> dict[str, int]:
     structs = operand_structs(size)
     return {impl: temp_bytes(compile_step(loss, structs))
-            for impl, loss in (("fused", fused_loss), ("unfused", unfused_loss))}
+            for impl, loss in (("fused", memory_fused_loss), ("unfused", unfused_loss))}
 
 
 def _cuda_compile_available() -> bool:
@@ -116,7 +141,7 @@ def h100_figures(size: Size) -> dict[str, int]:
     structs = operand_structs(size, mesh)
     with jax.set_mesh(mesh):
         return {impl: temp_bytes(compile_step(loss, structs))
-                for impl, loss in (("fused", fused_loss), ("unfused", unfused_loss))}
+                for impl, loss in (("fused", memory_fused_loss), ("unfused", unfused_loss))}
 
 
 def vocab_mesh():
@@ -229,5 +254,56 @@ def test_small_values_match():
                 assert_close(np.asarray(g, np.float32), r, jnp.bfloat16, scale=np.abs(r).max())
 
 
+# --- speed --------------------------------------------------------------------
+
+
+def speed_operands(size: Size):
+    k = jax.random.split(jax.random.key(0), 3)
+    h = jax.random.normal(k[0], (size.tokens, size.hidden), size.dtype)
+    w = (jax.random.normal(k[1], (size.hidden, size.vocab)) / size.hidden**0.5).astype(size.dtype)
+    return h, w, jax.random.randint(k[2], (size.tokens,), 0, size.vocab)
+
+
+def _seconds(fn, args) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - start
+
+
+def speed_figures(size: Size, program: str, rounds: int = SPEED_ROUNDS) -> dict[str, float]:
+    """Median seconds of each and the median per-round fused / unfused ratio."""
+    wrap = (lambda f: jax.value_and_grad(f, argnums=(0, 1))) if program == "value_and_grad" \
+        else (lambda f: f)
+    fns = {impl: jax.jit(wrap(loss)) for impl, loss in (("fused", fused_loss),
+                                                          ("unfused", unfused_loss))}
+    args = speed_operands(size)
+    for fn in fns.values():
+        jax.block_until_ready(fn(*args))     # compile and warm, untimed
+    times: dict[str, list[float]] = {"fused": [], "unfused": []}
+    for r in range(rounds):
+        order = ("fused", "unfused") if r % 2 == 0 else ("unfused", "fused")
+        for impl in order:
+            times[impl].append(_seconds(fns[impl], args))
+    ratios = [f / u for f, u in zip(times["fused"], times["unfused"])]
+    return {"fused": statistics.median(times["fused"]),
+            "unfused": statistics.median(times["unfused"]), "ratio": statistics.median(ratios)}
+
+
+def speed_table(size: Size = SPEED_SIZE, rounds: int = SPEED_ROUNDS) -> str:
+    lines = [f"tokens {size.tokens}, hidden {size.hidden}, vocab {size.vocab}, CPU; median of "
+             f"{rounds} interleaved rounds", "",
+             "| program | dtype | fused s | unfused s | fused / unfused |", "|---|---|---|---|---|"]
+    for program in ("value_and_grad", "forward"):
+        for dtype in ("float32", "bfloat16"):
+            fig = speed_figures(dataclasses.replace(size, dtype=dtype), program, rounds)
+            lines.append(f"| {program} | {dtype} | {fig['fused']:.3f} | {fig['unfused']:.3f} | "
+                         f"{fig['ratio']:.2f}x |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    print(table(SIZES["large"]))
+    parts = set(sys.argv[1:]) or {"--memory", "--speed"}
+    if "--memory" in parts:
+        print(table(SIZES["large"]))
+    if "--speed" in parts:
+        print(speed_table())

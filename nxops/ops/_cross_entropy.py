@@ -19,45 +19,71 @@ import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
-from jax.interpreters import ad, batching
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
 
 from nxops._errors import NxopsError
+from nxops._jax import config as jax_config
+from nxops._jax import dispatch
 from nxops._typing import ArrayLike
+from nxops.kernels._selection import parse_selection
 from nxops.kernels.xla import cross_entropy as xla_cross_entropy
 from nxops.ops import _axis_env, _sum_then_tile
 from nxops.ops._axis_env import mesh_platform as _mesh_platform
 from nxops.ops._named_layout import along_vmap_names as _along_vmap_names
-from nxops.ops._primitive import kernel_primitive, match_varying, selection_param
+from nxops.ops._primitive import (_abstract_eval_cached, _local_aval, kernel_primitive,
+                                  match_varying, selection_param)
 
 cross_entropy_p = kernel_primitive("nx_cross_entropy", "cross_entropy",
                                    xla_cross_entropy.cross_entropy)
 # Operands h [T, H], w [H, V], labels [T] (local to this vocab shard); one
 # result, f32 [2, T]: the shard's logsumexp and the label's logit. Parameters:
-# chunk (vocab columns per step), kernels (the selection).
+# chunk (vocab columns per step), backward (how derivatives are made: see
+# ``_stores_grads``), kernels (the selection).
+
+F32 = jnp.float32
+BACKWARDS = ("auto", "in_forward", "recompute")
 
 
-def _bind(h, w, labels, *, chunk, kernels):
-    return cross_entropy_p.bind(h, w, labels, chunk=chunk, kernels=kernels)
+def _bind(h, w, labels, *, chunk, backward, kernels):
+    return cross_entropy_p.bind(h, w, labels, chunk=chunk, backward=backward, kernels=kernels)
 
 
 # --- batching: every vmapped name of h / labels becomes more tokens ----------
 
 
-def _cross_entropy_batcher(vals_in, dims_in, *, chunk, kernels):
-    (h, w, labels), (h_dim, w_dim, labels_dim) = vals_in, dims_in
-    if w_dim is not None:
-        # A weight per batch member: no shared matmul to fold the tokens into.
-        per_member = jax.vmap(lambda *a: xla_cross_entropy.cross_entropy(*a, chunk=chunk),
-                              in_axes=dims_in, out_axes=1)
-        return per_member(h, w, labels), 1
-    size = h.shape[h_dim] if h_dim is not None else labels.shape[labels_dim]
-    h = _batch_first(h, h_dim, size)
-    labels = _batch_first(labels, labels_dim, size)
-    tokens = h.shape[1]
-    out = _bind(h.reshape(size * tokens, h.shape[2]), w, labels.reshape(size * tokens),
-                chunk=chunk, kernels=kernels)
-    return out.reshape(2, size, tokens), 1
+def _fold_tokens(bind, args, dims, token_args):
+    """Binds with the batch folded into the token dim of the ``token_args``
+    (their dim 0); the others unbatched. Result [2, batch, T]."""
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    folded = list(args)
+    for i in token_args:
+        x = _batch_first(args[i], dims[i], size)
+        folded[i] = x.reshape(size * x.shape[1], *x.shape[2:])
+    out = bind(*folded)
+    return out.reshape(2, size, out.shape[1] // size), 1
+
+
+def _per_member(bind, args, dims):
+    """A weight per batch member: no shared matmul to fold the tokens into;
+    one loop per member (``lax.map``), each the primitive again."""
+    batched = [i for i, d in enumerate(dims) if d is not None]
+
+    def member(xs):
+        full = list(args)
+        for i, x in zip(batched, xs):
+            full[i] = x
+        return bind(*full)
+    return lax.map(member, [jnp.moveaxis(args[i], dims[i], 0) for i in batched]), 0
+
+
+def _cross_entropy_batcher(vals_in, dims_in, **params):
+    bind = functools.partial(_bind, **params)
+    if dims_in[1] is not None:
+        return _per_member(bind, vals_in, dims_in)
+    return _fold_tokens(bind, vals_in, dims_in, (0, 2))
 
 
 def _batch_first(x, dim, size):
@@ -69,18 +95,128 @@ def _batch_first(x, dim, size):
 batching.primitive_batchers[cross_entropy_p] = _cross_entropy_batcher
 
 
-# --- differentiation: the registry's forward, the reference's backward -------
+# --- differentiation ------------------------------------------------------------
+#
+# The JVP of the primitive is its forward plus ``cross_entropy_tangent_p``, a
+# primitive linear in the tangents dh, dw: evaluated, it is forward mode
+# (jax.jvp, jacfwd, linearize); transposed, it is the backward (jax.grad,
+# jacrev), which never holds the logits. Its operands: h, w, labels, lse,
+# dh_unit, dw_unit (``forward_with_grads``' products, or empty), dh, dw (the
+# tangents, or empty where zero).
+
+EMPTY = (0,)
 
 
-def _cross_entropy_jvp(primals, tangents, *, chunk, kernels):
-    """The forward is this primitive again (its kernel from the registry); the
-    backward recomputes the logits chunk by chunk (the reference's)."""
+def _stores_grads(backward: str, tokens, hidden, vocab, kernels: str = "auto") -> bool:
+    """Whether the forward pass makes the gradients (three matmuls) or the
+    backward recomputes the logits (four): ``auto`` stores while the f32 dw
+    and dh it holds fit ``STORED_GRADS_BYTES``, unless a kernel is selected
+    for the forward (``cross_entropy=pallas``: the stored path's forward is
+    the XLA loop, so it would not run). No tokens, or a symbolic count
+    (``nx.export``): nothing to store, or no static block; recompute."""
+    if not (isinstance(tokens, int) and tokens > 0):
+        return False
+    if backward == "auto":
+        selected = parse_selection(kernels).backend_for("cross_entropy")
+        return selected in ("auto", "xla") and \
+            xla_cross_entropy.stored_grads_fit(tokens, hidden, vocab)
+    return backward == "in_forward"
+
+
+def _tangent_impl(h, w, labels, lse, dh_unit, dw_unit, dh, dw, *, size, stored, with_dh,
+                  with_dw):
+    del dh_unit, dw_unit, stored   # the backward's: forward mode recomputes by chunks
+    return xla_cross_entropy.tangent(h, w, labels, lse, dh if with_dh else None,
+                                     dw if with_dw else None, size)
+
+
+cross_entropy_tangent_p = Primitive("nx_cross_entropy_tangent")
+cross_entropy_tangent_p.def_impl(functools.partial(dispatch.apply_primitive,
+                                                   cross_entropy_tangent_p))
+
+
+@cross_entropy_tangent_p.def_abstract_eval
+def _tangent_abstract_eval(*avals, **params):
+    return _abstract_eval_cached(_tangent_impl, tuple(avals), tuple(sorted(params.items())),
+                                 bool(jax.config.jax_enable_x64))
+
+
+def _tangent_lowering(ctx, *args, **params):
+    # A local computation: traced on plain avals, outside any mesh context (as kernels are).
+    local_ctx = ctx.replace(avals_in=[_local_aval(a) for a in ctx.avals_in],
+                            avals_out=[_local_aval(a) for a in ctx.avals_out])
+    with (jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())),
+          jax_config._check_vma(False)):
+        return mlir.lower_fun(functools.partial(_tangent_impl, **params),
+                              multiple_results=False)(local_ctx, *args)
+
+
+mlir.register_lowering(cross_entropy_tangent_p, _tangent_lowering)
+
+
+def _tangent_transpose(ct, h, w, labels, lse, dh_unit, dw_unit, dh, dw, *, size, stored,
+                       with_dh, with_dw):
+    need_dh = with_dh and ad.is_undefined_primal(dh)
+    need_dw = with_dw and ad.is_undefined_primal(dw)
+    if type(ct) is ad.Zero or not (need_dh or need_dw):
+        return [None] * 8
+    if stored:
+        grads = xla_cross_entropy.backward_from_stored(h, w, labels, lse, ct, dh_unit, dw_unit,
+                                                       size, need_dh, need_dw)
+    else:
+        grads = xla_cross_entropy.backward(h, w, labels, lse, ct, size, need_dh, need_dw)
+    return [None] * 6 + list(grads)
+
+
+ad.primitive_transposes[cross_entropy_tangent_p] = _tangent_transpose
+
+
+def _tangent_jvp(primals, tangents, **params):
+    """Forward mode of forward mode (jacfwd of jacfwd): the loop's own JVP."""
+    differentiable = (0, 1, 3, 6, 7)
+
+    def impl(*xs):
+        args = list(primals)
+        for i, x in zip(differentiable, xs):
+            args[i] = x
+        return _tangent_impl(*args, **params)
+    return jax.jvp(impl, [primals[i] for i in differentiable],
+                   [ad.instantiate_zeros(tangents[i]) for i in differentiable])
+
+
+ad.primitive_jvps[cross_entropy_tangent_p] = _tangent_jvp
+
+
+def _tangent_batcher(vals_in, dims_in, **params):
+    bind = functools.partial(cross_entropy_tangent_p.bind, **params)
+    if any(dims_in[i] is not None for i in (1, 5, 7)):   # w, dw_unit, dw
+        return _per_member(bind, vals_in, dims_in)
+    token_args = (0, 2, 3) + ((4,) if params["stored"] else ()) + ((6,) if params["with_dh"] else ())
+    return _fold_tokens(bind, vals_in, dims_in, token_args)
+
+
+batching.primitive_batchers[cross_entropy_tangent_p] = _tangent_batcher
+
+
+def _cross_entropy_jvp(primals, tangents, *, chunk, backward, kernels):
     h, w, labels = primals
-    dh, dw = (ad.instantiate_zeros(t) for t in tangents[:2])
-    size = xla_cross_entropy.chunk_size(h.shape[0], w.shape[1], chunk)
-    forward = lambda h, w, labels, size: _bind(h, w, labels, chunk=size, kernels=kernels)  # noqa: E731
-    fused = xla_cross_entropy.differentiable(forward)
-    return jax.jvp(lambda h, w: fused(h, w, labels, size), (h, w), (dh, dw))
+    dh, dw = tangents[:2]
+    (tokens, hidden), vocab = h.shape, w.shape[1]
+    stored = _stores_grads(backward, tokens, hidden, vocab, kernels)
+    if stored:
+        stats, dh_unit, dw_unit = xla_cross_entropy.forward_with_grads(h, w, labels)
+    else:
+        stats = _bind(h, w, labels, chunk=chunk, backward=backward, kernels=kernels)
+        dh_unit = dw_unit = jnp.zeros(EMPTY, F32)
+    with_dh, with_dw = type(dh) is not ad.Zero, type(dw) is not ad.Zero
+    if not (with_dh or with_dw):
+        return stats, ad.Zero.from_primal_value(stats)
+    tangent = cross_entropy_tangent_p.bind(
+        h, w, labels, stats[0], dh_unit, dw_unit,
+        dh if with_dh else jnp.zeros(EMPTY, h.dtype), dw if with_dw else jnp.zeros(EMPTY, w.dtype),
+        size=xla_cross_entropy.chunk_size(tokens, vocab, chunk), stored=stored,
+        with_dh=with_dh, with_dw=with_dw)
+    return stats, tangent
 
 
 ad.primitive_jvps[cross_entropy_p] = _cross_entropy_jvp
@@ -167,7 +303,7 @@ def _check_dtypes(h, w, labels, op: str):
 def _combine_vocab_shards(stats, mesh_names):
     """The global (logsumexp, label logit) from each vocab shard's: one pmax
     and one psum of per-token scalars."""
-    lse_local, picked = stats[0], stats[1]
+    lse_local = stats[0]
     varying = jax.typeof(lse_local).manual_axis_type.varying
     invariant = tuple(n for n in mesh_names if n not in varying)
     if invariant:   # a shard that does not vary (check_vma): its collectives want varying
@@ -204,9 +340,34 @@ def _summed_bwd(mesh_names, _, ct):
 _summed_over_vocab_shards.defvjp(_summed_fwd, _summed_bwd)
 
 
+INT32 = jnp.iinfo(jnp.int32)
+
+
+def _check_options(ignore_index, return_lse, vocab_chunk, backward, op: str):
+    if ignore_index is not None and (isinstance(ignore_index, bool) or
+                                     not isinstance(ignore_index, numbers.Integral) or
+                                     not INT32.min <= ignore_index <= INT32.max):
+        raise NxopsError(f"{op}: ignore_index={ignore_index!r}; give an int in the int32 range "
+                         f"(the labels' dtype), e.g. -100, or None to ignore nothing.")
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise NxopsError(f"{op}: return_lse={return_lse!r}; give True or False.")
+    if vocab_chunk is not None and (isinstance(vocab_chunk, bool) or
+                                    not isinstance(vocab_chunk, numbers.Integral) or
+                                    vocab_chunk < 1):
+        raise NxopsError(f"{op}: vocab_chunk={vocab_chunk!r}; give a positive int (or None).")
+    if not isinstance(backward, str) or backward not in BACKWARDS:
+        raise NxopsError(f"{op}: backward={backward!r}; give one of {', '.join(map(repr, BACKWARDS))}.")
+
+
+def _vocab_size(w2, vocab_mesh) -> int:
+    """The whole vocabulary's size (the local columns times the vocab's shards)."""
+    return w2.shape[1] * math.prod(_axis_env.physical_axis_size(n) for n in vocab_mesh)
+
+
 def cross_entropy(h: ArrayLike, w: ArrayLike, labels: ArrayLike, *, hidden: str | int,
                   vocab: str | int, ignore_index: int | None = None, return_lse: bool = False,
-                  vocab_chunk: int | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+                  vocab_chunk: int | None = None,
+                  backward: str = "auto") -> jax.Array | tuple[jax.Array, jax.Array]:
     """Per-position ``logsumexp_v(h·w) - (h·w)[label]`` without the logits.
 
     ``hidden`` and ``vocab`` name the contracted and the class axis: a name
@@ -215,11 +376,17 @@ def cross_entropy(h: ArrayLike, w: ArrayLike, labels: ArrayLike, *, hidden: str 
     ``vocab`` a dim of ``w``; ``w``'s positional dims are the positional ones
     of the two (an int hidden is w's dim other than vocab). ``labels`` has
     ``h``'s positional shape without the hidden dim, and holds global vocab
-    ids. Positions whose label is ``ignore_index`` give 0 and no gradient.
-    Returns float32 losses of ``labels``' shape (and the logsumexp, 0 at
-    ignored positions, with ``return_lse=True``, e.g. for a z-loss).
-    ``vocab_chunk``: vocab columns per step of the loop (default: as many as
-    keep one step's f32 logits within 4 MiB, 128 to 4096).
+    ids; a label outside [0, vocab) (and not ``ignore_index``) gives a NaN
+    loss there. Positions whose label is ``ignore_index`` give 0 and no
+    gradient (whatever ``h`` holds there). Returns float32 losses of
+    ``labels``' shape (and the logsumexp, 0 at ignored positions, with
+    ``return_lse=True``, e.g. for a z-loss). ``vocab_chunk``: vocab columns
+    per step of the loop (default: as many as keep one step's f32 logits
+    within 4 MiB, 128 to 4096). ``backward``: ``"in_forward"`` makes the
+    gradients in the forward pass (three matmuls, an f32 dw held until the
+    backward), ``"recompute"`` recomputes the logits in the backward (four
+    matmuls, nothing of the vocab's size held); ``"auto"`` stores while the
+    f32 dw and dh fit 256 MiB.
 
     Examples:
         >>> h, w = jnp.ones((2, 4)), jnp.zeros((4, 5))   # uniform logits over 5 classes
@@ -230,9 +397,8 @@ def cross_entropy(h: ArrayLike, w: ArrayLike, labels: ArrayLike, *, hidden: str 
     h, w, labels = jnp.asarray(h), jnp.asarray(w), jnp.asarray(labels)
     _check_axis_argument(hidden, what="hidden", op=op)
     _check_axis_argument(vocab, what="vocab", op=op)
+    _check_options(ignore_index, return_lse, vocab_chunk, backward, op)
     _check_dtypes(h, w, labels, op)
-    if vocab_chunk is not None and (not isinstance(vocab_chunk, numbers.Integral) or vocab_chunk < 1):
-        raise NxopsError(f"{op}: vocab_chunk={vocab_chunk!r}; give a positive int (or None).")
     h2 = _hidden_last(h, hidden, op)
     w2, vocab_mesh = _weight_as_matrix(w, hidden, vocab, op)
     token_shape = h2.shape[:-1]
@@ -248,18 +414,27 @@ def cross_entropy(h: ArrayLike, w: ArrayLike, labels: ArrayLike, *, hidden: str 
                          f"{tuple(h.shape)} without its hidden axis {hidden!r} has shape "
                          f"{tuple(token_shape)}; give one label per position.")
     labels = labels.astype(jnp.int32).reshape(-1)
+    h2 = h2.reshape(math.prod(token_shape), h2.shape[-1])
+    kept = None if ignore_index is None else labels != ignore_index
+    if kept is not None:
+        # An ignored row's inputs never reach a matmul (a NaN there: no NaN in dw).
+        h2 = jnp.where(kept[:, None], h2, jnp.zeros((), h2.dtype))
     local_labels = labels
     if vocab_mesh:
         local_labels = labels - lax.axis_index(vocab_mesh) * w2.shape[1]
         h2 = _summed_over_vocab_shards(h2, vocab_mesh)
-    h2, w2, local_labels = match_varying(h2.reshape(math.prod(token_shape), h2.shape[-1]),
-                                         w2, local_labels)
+    h2, w2, local_labels = match_varying(h2, w2, local_labels)
     chunk = None if vocab_chunk is None else int(vocab_chunk)
-    stats = _bind(h2, w2, local_labels, chunk=chunk, kernels=selection_param())
+    stats = _bind(h2, w2, local_labels, chunk=chunk, backward=backward, kernels=selection_param())
     lse, picked = _combine_vocab_shards(stats, vocab_mesh) if vocab_mesh else (stats[0], stats[1])
-    loss = lse - picked
-    if ignore_index is not None:
-        kept = labels != ignore_index
+    # A label that is no vocab id (nor ignored) has no logit: NaN, as the
+    # unfused take would give; made by the subtraction, so that checkify's
+    # nan_checks reports it as an error.
+    outside = (labels < 0) | (labels >= _vocab_size(w2, vocab_mesh))
+    if kept is not None:
+        outside = outside & kept
+    loss = lse - jnp.where(outside, jnp.nan, picked)
+    if kept is not None:
         loss, lse = jnp.where(kept, loss, 0.0), jnp.where(kept, lse, 0.0)
     loss, lse = loss.reshape(token_shape), lse.reshape(token_shape)
     return (loss, lse) if return_lse else loss

@@ -61,8 +61,8 @@ def _dot(a, b, interpret: bool):
     return jnp.dot(a, b, preferred_element_type=F32)
 
 
-def _kernel(h_ref, w_ref, labels_ref, top_ref, total_ref, picked_ref, *, bt: int, bk: int, bv: int, per_split: int,
-            interpret: bool):
+def _kernel(h_ref, w_ref, labels_ref, top_ref, total_ref, picked_ref, *, bt: int, bk: int, bv: int,
+            per_split: int, interpret: bool):
     tokens, hidden = h_ref.shape
     vocab = w_ref.shape[1]
     i, split = pl.program_id(0), pl.program_id(1)
@@ -88,9 +88,12 @@ def _kernel(h_ref, w_ref, labels_ref, top_ref, total_ref, picked_ref, *, bt: int
         cols = first + lax.broadcasted_iota(jnp.int32, (bt, bv), 1)
         logits = jnp.where(cols < vocab, logits, -jnp.inf)
         new_top = jnp.maximum(top, jnp.max(logits, axis=1))
-        shift = jnp.where(new_top == -jnp.inf, 0.0, new_top)   # a tile wholly past the vocab
+        # A tile wholly past the vocab (-inf), or a +inf logit: shift by 0.
+        shift = jnp.where(jnp.isfinite(new_top), new_top, 0.0)
         total = total * jnp.exp(top - shift) + jnp.sum(jnp.exp(logits - shift[:, None]), axis=1)
-        picked = picked + jnp.sum(jnp.where(cols == labels[:, None], logits, 0.0), axis=1)
+        # The padded columns past the vocab are no label's (a label there is another shard's).
+        hit = (cols == labels[:, None]) & (cols < vocab)
+        picked = picked + jnp.sum(jnp.where(hit, logits, 0.0), axis=1)
         return new_top, total, picked
 
     init = (jnp.full((bt,), -jnp.inf, F32), jnp.zeros((bt,), F32), jnp.zeros((bt,), F32))
@@ -102,15 +105,16 @@ def _kernel(h_ref, w_ref, labels_ref, top_ref, total_ref, picked_ref, *, bt: int
 def _combine_splits(top, total, picked):
     """[splits, T] partial (max, sum of exp, logit) -> [2, T] (lse, logit)."""
     best = jnp.max(top, axis=0)
-    shift = jnp.where(best == -jnp.inf, 0.0, best)
+    shift = jnp.where(jnp.isfinite(best), best, 0.0)
     lse = shift + jnp.log(jnp.sum(total * jnp.exp(top - shift), axis=0))
     return jnp.stack([lse, jnp.sum(picked, axis=0)])
 
 
 def cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, *, chunk: int | None = None,
-                  platform: str = "cuda") -> jax.Array:
-    """[2, T] f32 as the reference (``chunk`` is the reference's; the kernel tiles itself)."""
-    del chunk
+                  backward: str = "auto", platform: str = "cuda") -> jax.Array:
+    """[2, T] f32 as the reference (``chunk`` is the reference's; the kernel
+    tiles itself; ``backward`` is the primitive's)."""
+    del chunk, backward
     target = _common.target_for(platform, "triton")
     (tokens, hidden), vocab = h.shape, w.shape[1]
     bt, bk, bv = tiles(tokens, hidden, vocab)
