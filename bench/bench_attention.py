@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import nxops as nx  # noqa: E402
-from nxops.kernels._tolerances import assert_close  # noqa: E402
+from tests._tolerances import assert_close  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,7 +33,7 @@ from nxops.ops._named_layout import along_vmap_names
 from nxops.ops._positions import axis_index
 from nxops.ops._cross_entropy import (_check_axis_argument, _positional_dim, _resolve_name,
                                       _summed_over_vocab_shards)
-from nxops.ops._primitive import kernel_primitive, match_varying, selection_param
+from nxops.ops._primitive import kernel_primitive, local_primitive, match_varying, selection_param
 
 OP = "nx.attention"
 
@@ -90,6 +90,37 @@ def _attention_batcher(vals_in, dims_in, *, scale, causal, block, kernels):
 
 
 batching.primitive_batchers[attention_p] = _attention_batcher
+
+
+partial_gradients_p = local_primitive("nx_attention_partial_gradients",
+                                      xla_attention.partial_gradients)
+# Operands q, k, v, q_pos, k_pos (as attention_p's), out [B, Tq, E + 1] (the
+# output and logsumexp over every key shard) and its cotangent g; results
+# float32 dq, dk, dv: this key shard's share. Parameters: scale, causal, block.
+
+
+def _partial_gradients(q, k, v, q_pos, k_pos, out, g, *, scale, causal, block):
+    return partial_gradients_p.bind(q, k, v, q_pos, k_pos, out, g, scale=scale, causal=causal,
+                                    block=block)
+
+
+def _partial_gradients_batcher(vals_in, dims_in, **params):
+    """As attention_p's: a name the keys do not vary along makes more query
+    rows of one pass (whose dk, dv sum over them in the pass, never one per
+    query), the others batch members."""
+    size = next(x.shape[d] for x, d in zip(vals_in, dims_in) if d is not None)
+    q, k, v, q_pos, k_pos, out, g = vals_in
+    if dims_in[1] is None and dims_in[2] is None and dims_in[4] is None:
+        q, q_pos, out, g = (_into_rows(vals_in[i], dims_in[i], size) for i in (0, 3, 5, 6))
+        dq, dk, dv = _partial_gradients(q, k, v, q_pos, k_pos, out, g, **params)
+        return (dq.reshape(dq.shape[0], size, dq.shape[1] // size, dq.shape[2]), dk, dv), \
+            (1, None, None)
+    grads = _partial_gradients(*(_into_batch(x, d, size) for x, d in zip(vals_in, dims_in)),
+                               **params)
+    return tuple(x.reshape(size, x.shape[0] // size, *x.shape[1:]) for x in grads), (0, 0, 0)
+
+
+batching.primitive_batchers[partial_gradients_p] = _partial_gradients_batcher
 
 
 # --- differentiation: the registry's forward, the reference's backward --------
@@ -254,27 +285,72 @@ def _ring(operands, names, params):
     """(output, logsumexp) of the local queries against every key shard of
     mesh axes ``names``: the key, value and position shards pass around the
     ring (n - 1 ``ppermute``s each), one local pass per shard, merged by
-    their logsumexps. A scan, so that one pass's temporaries are live at a
-    time. Differentiated by JAX: each pass's backward is the kernel's, and
-    the ``ppermute``s transpose to the reverse ring, which carries dk and dv
-    home."""
-    q, k, v, q_pos, k_pos = operands
+    their logsumexps (a scan: one pass's temporaries live at a time).
+
+    Its VJP keeps only the local shards, the output and the last shard the
+    forward saw: the backward passes the key shards around the ring again,
+    the other way, each with its dk, dv accumulators (FlashAttention-2's
+    backward per shard against the whole softmax's logsumexp), so that no
+    device ever holds more than two shards of the keys."""
     count = math.prod(_axis_env.physical_axis_size(n) for n in names)
-    ring = [(i, (i + 1) % count) for i in range(count)]
+    if count == 1:
+        return _bind(*operands, None, **params)
+    forward_ring = [(i, (i + 1) % count) for i in range(count)]
+    backward_ring = [((i + 1) % count, i) for i in range(count)]
+    grad_params = {name: params[name] for name in ("scale", "causal", "block")}
 
-    def attend(o, lse, k, v, k_pos):
-        out = _bind(q, k, v, q_pos, k_pos, None, **params)
-        return _merged(o, lse, out[..., :-1], out[..., -1])
+    def rotate(xs, ring):
+        return tuple(lax.ppermute(x, names, ring) for x in xs)
 
-    def step(carry, _):
-        o, lse, k, v, k_pos = carry
-        o, lse = attend(o, lse, k, v, k_pos)
-        return (o, lse, *(lax.ppermute(x, names, ring) for x in (k, v, k_pos))), None
+    def forward(q, k, v, q_pos, k_pos):
+        """(o, lse), and the last key shard (k, v, positions) the device saw."""
+        def attend(o, lse, k, v, k_pos):
+            out = _bind(q, k, v, q_pos, k_pos, None, **params)
+            return _merged(o, lse, out[..., :-1], out[..., -1])
 
-    o = jnp.zeros((*q.shape[:-1], v.shape[-1]), jnp.float32)
-    lse = jnp.full(q.shape[:-1], -jnp.inf, jnp.float32)
-    (o, lse, k, v, k_pos), _ = lax.scan(step, (o, lse, k, v, k_pos), length=count - 1)
-    return attend(o, lse, k, v, k_pos)
+        def step(carry, _):
+            o, lse, *shard = carry
+            return (*attend(o, lse, *shard), *rotate(shard, forward_ring)), None
+
+        o = jnp.zeros((*q.shape[:-1], v.shape[-1]), jnp.float32)
+        lse = jnp.full(q.shape[:-1], -jnp.inf, jnp.float32)
+        (o, lse, *last), _ = lax.scan(step, (o, lse, k, v, k_pos), length=count - 1)
+        o, lse = attend(o, lse, *last)
+        return jnp.concatenate([o, lse[..., None]], -1), tuple(last)
+
+    @jax.custom_vjp
+    def ring(q, k, v, q_pos, k_pos):
+        return forward(q, k, v, q_pos, k_pos)[0]
+
+    def ring_fwd(q, k, v, q_pos, k_pos):
+        out, last = forward(q, k, v, q_pos, k_pos)
+        return out, (q, k, v, q_pos, k_pos, out, last)
+
+    def ring_bwd(residuals, g):
+        q, k, v, q_pos, k_pos, out, last = residuals
+        share = lambda shard: _partial_gradients(q, *shard[:2], q_pos, shard[2], out, g,  # noqa: E731
+                                                 **grad_params)
+
+        def step(carry, _):
+            # The shard of the next device back arrives with its accumulators.
+            dq, dk, dv, *shard = carry
+            shard = rotate(shard, backward_ring)
+            dk, dv = rotate((dk, dv), backward_ring)
+            dq_part, dk_part, dv_part = share(shard)
+            return (dq + dq_part, dk + dk_part, dv + dv_part, *shard), None
+
+        # The forward's shards in reverse: the last one first; n - 2 arrive
+        # around the ring; the local one is the residual; the accumulators
+        # travel n - 1 times and end where their shard lives.
+        carry = (*share(last), *last)
+        (dq, dk, dv, *_), _ = lax.scan(step, carry, length=count - 2)
+        dk, dv = rotate((dk, dv), backward_ring)
+        dq_part, dk_part, dv_part = share((k, v, k_pos))
+        return ((dq + dq_part).astype(q.dtype), (dk + dk_part).astype(k.dtype),
+                (dv + dv_part).astype(v.dtype), None, None)
+
+    ring.defvjp(ring_fwd, ring_bwd)
+    return ring(*operands)
 
 
 def _merged(o, lse, o_new, lse_new):
@@ -378,8 +454,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, seq: str | int,
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     params = dict(scale=scale, causal=bool(causal), block=block, kernels=selection_param())
     if ring:
-        o, lse = _ring(operands, ring, params)
-        out = jnp.concatenate([o, lse[..., None]], -1)
+        out = _ring(operands, ring, params)
     else:
         out = _bind(*operands[:5], operands[5] if len(operands) > 5 else None, **params)
     if sharded:

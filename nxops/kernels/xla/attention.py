@@ -127,13 +127,15 @@ def _forward(q, k, v, q_pos, k_pos, bias, *, scale, causal, block):
     return lax.fori_loop(0, qb.count, query_block, out)
 
 
-def _backward(q, k, v, q_pos, k_pos, bias, out, g, *, scale, causal, block):
-    """(dq, dk, dv, dbias) for the cotangent ``g`` [B, Tq, E + 1] of ``out``.
+def _backward(q, k, v, q_pos, k_pos, bias, out, g, *, scale, causal, block, dtypes=None):
+    """(dq, dk, dv, dbias) for the cotangent ``g`` [B, Tq, E + 1] of ``out``,
+    in the dtypes of q, k, v (``dtypes``: others for dq, dk, dv).
 
     FlashAttention-2's order: the outer loop over key blocks holds one block's
     dk, dv in f32 and writes them out once; the inner loop over query blocks
     adds each block's share into dq, the only whole f32 accumulator."""
     tq, tk = q.shape[1], k.shape[1]
+    dq_dtype, dk_dtype, dv_dtype = dtypes or (q.dtype, k.dtype, v.dtype)
     qb, kb = _Blocks(tq, block_size(tq, block)), _Blocks(tk, block_size(tk, block))
     o, lse = out[..., :-1], out[..., -1]
     g_o, g_lse = g[..., :-1], g[..., -1]
@@ -186,15 +188,30 @@ def _backward(q, k, v, q_pos, k_pos, bias, out, g, *, scale, causal, block):
         init = (jnp.zeros(k_blk.shape, jnp.float32), jnp.zeros(v_blk.shape, jnp.float32), dq,
                 dbias)
         dk_blk, dv_blk, dq, dbias = lax.fori_loop(0, qb.count, query_block, init)
-        dk = lax.dynamic_update_slice_in_dim(dk, (dk_blk * scale).astype(k.dtype), kb.start(j),
+        dk = lax.dynamic_update_slice_in_dim(dk, (dk_blk * scale).astype(dk_dtype), kb.start(j),
                                              axis=1)
-        dv = lax.dynamic_update_slice_in_dim(dv, dv_blk.astype(v.dtype), kb.start(j), axis=1)
+        dv = lax.dynamic_update_slice_in_dim(dv, dv_blk.astype(dv_dtype), kb.start(j), axis=1)
         return dk, dv, dq, dbias
 
-    init = (jnp.zeros(k.shape, k.dtype), jnp.zeros(v.shape, v.dtype), jnp.zeros(q.shape, jnp.float32),
+    init = (jnp.zeros(k.shape, dk_dtype), jnp.zeros(v.shape, dv_dtype),
+            jnp.zeros(q.shape, jnp.float32),
             None if bias is None else jnp.zeros(bias.shape, jnp.float32))
     dk, dv, dq, dbias = lax.fori_loop(0, kb.count, key_block, init)
-    return (dq * scale).astype(q.dtype), dk, dv, dbias
+    return (dq * scale).astype(dq_dtype), dk, dv, dbias
+
+
+def partial_gradients(q, k, v, q_pos, k_pos, out, g, *, scale, causal, block):
+    """float32 (dq, dk, dv) of one key shard's share, where ``out`` and its
+    cotangent ``g`` are over every shard (the logsumexp in ``out`` is the
+    whole softmax's, so each shard's probabilities are already normalized):
+    the shards' shares sum to the whole gradient (ring attention's backward)."""
+    if q.shape[1] == 0 or k.shape[1] == 0:
+        return (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
+                jnp.zeros(v.shape, jnp.float32))
+    dq, dk, dv, _ = _backward(q, k, v, q_pos.astype(jnp.int32), k_pos.astype(jnp.int32), None,
+                              out, g, scale=float(scale), causal=bool(causal), block=block,
+                              dtypes=(jnp.float32,) * 3)
+    return dq, dk, dv
 
 
 def _add_rows(acc, rows, start):
