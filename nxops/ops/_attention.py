@@ -94,14 +94,17 @@ batching.primitive_batchers[attention_p] = _attention_batcher
 
 partial_gradients_p = local_primitive("nx_attention_partial_gradients",
                                       xla_attention.partial_gradients)
-# Operands q, k, v, q_pos, k_pos (as attention_p's), out [B, Tq, E + 1] (the
-# output and logsumexp over every key shard) and its cotangent g; results
-# float32 dq, dk, dv: this key shard's share. Parameters: scale, causal, block.
+# Operands q, k, v, q_pos, k_pos (as attention_p's), the rows the backward
+# reads of the output over every key shard and its cotangent (g_o [B, Tq, E],
+# lse [B, Tq], row_term [B, Tq]: xla_attention.cotangent_rows), and the
+# float32 accumulators dq, dk, dv; results: the accumulators plus this key
+# shard's share. Parameters: scale, causal, block.
+_KEY_SIDE = (1, 2, 4, 9, 10)        # k, v, k_pos and the dk, dv accumulators
+_QUERY_SIDE = (0, 3, 5, 6, 7, 8)    # q, q_pos, the cotangent rows and the dq accumulator
 
 
-def _partial_gradients(q, k, v, q_pos, k_pos, out, g, *, scale, causal, block):
-    return partial_gradients_p.bind(q, k, v, q_pos, k_pos, out, g, scale=scale, causal=causal,
-                                    block=block)
+def _partial_gradients(*operands, scale, causal, block):
+    return partial_gradients_p.bind(*operands, scale=scale, causal=causal, block=block)
 
 
 def _partial_gradients_batcher(vals_in, dims_in, **params):
@@ -109,10 +112,11 @@ def _partial_gradients_batcher(vals_in, dims_in, **params):
     rows of one pass (whose dk, dv sum over them in the pass, never one per
     query), the others batch members."""
     size = next(x.shape[d] for x, d in zip(vals_in, dims_in) if d is not None)
-    q, k, v, q_pos, k_pos, out, g = vals_in
-    if dims_in[1] is None and dims_in[2] is None and dims_in[4] is None:
-        q, q_pos, out, g = (_into_rows(vals_in[i], dims_in[i], size) for i in (0, 3, 5, 6))
-        dq, dk, dv = _partial_gradients(q, k, v, q_pos, k_pos, out, g, **params)
+    if all(dims_in[i] is None for i in _KEY_SIDE):
+        operands = list(vals_in)
+        for i in _QUERY_SIDE:
+            operands[i] = _into_rows(vals_in[i], dims_in[i], size)
+        dq, dk, dv = _partial_gradients(*operands, **params)
         return (dq.reshape(dq.shape[0], size, dq.shape[1] // size, dq.shape[2]), dk, dv), \
             (1, None, None)
     grads = _partial_gradients(*(_into_batch(x, d, size) for x, d in zip(vals_in, dims_in)),
@@ -300,7 +304,7 @@ def _ring(operands, names, params):
     grad_params = {name: params[name] for name in ("scale", "causal", "block")}
 
     def rotate(xs, ring):
-        return tuple(lax.ppermute(x, names, ring) for x in xs)
+        return tuple(_ppermute_bits(x, names, ring) for x in xs)
 
     def forward(q, k, v, q_pos, k_pos):
         """(o, lse), and the last key shard (k, v, positions) the device saw."""
@@ -328,29 +332,42 @@ def _ring(operands, names, params):
 
     def ring_bwd(residuals, g):
         q, k, v, q_pos, k_pos, out, last = residuals
-        share = lambda shard: _partial_gradients(q, *shard[:2], q_pos, shard[2], out, g,  # noqa: E731
-                                                 **grad_params)
+        rows = xla_attention.cotangent_rows(out, g, v.dtype)
+
+        def share(shard, accumulators):
+            k, v, k_pos = shard
+            return _partial_gradients(q, k, v, q_pos, k_pos, *rows, *accumulators,
+                                      **grad_params)
 
         def step(carry, _):
             # The shard of the next device back arrives with its accumulators.
             dq, dk, dv, *shard = carry
             shard = rotate(shard, backward_ring)
             dk, dv = rotate((dk, dv), backward_ring)
-            dq_part, dk_part, dv_part = share(shard)
-            return (dq + dq_part, dk + dk_part, dv + dv_part, *shard), None
+            return (*share(shard, (dq, dk, dv)), *shard), None
 
         # The forward's shards in reverse: the last one first; n - 2 arrive
         # around the ring; the local one is the residual; the accumulators
         # travel n - 1 times and end where their shard lives.
-        carry = (*share(last), *last)
+        zeros = tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, *last[:2]))
+        carry = (*share(last, zeros), *last)
         (dq, dk, dv, *_), _ = lax.scan(step, carry, length=count - 2)
         dk, dv = rotate((dk, dv), backward_ring)
-        dq_part, dk_part, dv_part = share((k, v, k_pos))
-        return ((dq + dq_part).astype(q.dtype), (dk + dk_part).astype(k.dtype),
-                (dv + dv_part).astype(v.dtype), None, None)
+        dq, dk, dv = share((k, v, k_pos), (dq, dk, dv))
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
     ring.defvjp(ring_fwd, ring_bwd)
     return ring(*operands)
+
+
+def _ppermute_bits(x, names, ring):
+    """``lax.ppermute`` of ``x``'s bits: XLA:CPU's collectives widen 16-bit
+    floats to float32 (twice the bytes, and a float32 copy of each shard in
+    flight); the same bits as uint16 pass as they are on every platform."""
+    if x.dtype.itemsize != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
+        return lax.ppermute(x, names, ring)
+    moved = lax.ppermute(lax.bitcast_convert_type(x, jnp.uint16), names, ring)
+    return lax.bitcast_convert_type(moved, x.dtype)
 
 
 def _merged(o, lse, o_new, lse_new):
