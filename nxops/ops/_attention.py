@@ -285,11 +285,24 @@ def _gather_keys(k, v, k_pos, bias, names):
             None if bias is None else gather(bias, -1))
 
 
-def _ring(operands, names, params):
-    """(output, logsumexp) of the local queries against every key shard of
-    mesh axes ``names``: the key, value and position shards pass around the
-    ring (n - 1 ``ppermute``s each), one local pass per shard, merged by
-    their logsumexps (a scan: one pass's temporaries live at a time).
+def _ring_block(block, keys, e):
+    """Queries and keys per step of a ring pass: ``block`` where given; by
+    default the largest power of two (at most the default) whose f32 scores
+    are no larger than the shard's output (block² <= keys x E): a device of
+    the ring holds 1/n of everything else, and its pass's blocks should not
+    outweigh that."""
+    if block is not None:
+        return block
+    fitting = 2 ** int(math.log2(max(1.0, math.sqrt(keys * e))))
+    return min(xla_attention.DEFAULT_BLOCK, fitting)
+
+
+def _ring(operands, names, params, out_dtype):
+    """(output in ``out_dtype``, float32 logsumexp) of the local queries
+    against every key shard of mesh axes ``names``: the key, value and
+    position shards pass around the ring (n - 1 ``ppermute``s each), one
+    local pass per shard, merged by their logsumexps (a scan: one pass's
+    temporaries live at a time).
 
     Its VJP keeps only the local shards, the output and the last shard the
     forward saw: the backward passes the key shards around the ring again,
@@ -297,8 +310,11 @@ def _ring(operands, names, params):
     backward per shard against the whole softmax's logsumexp), so that no
     device ever holds more than two shards of the keys."""
     count = math.prod(_axis_env.physical_axis_size(n) for n in names)
+    k, v = operands[1:3]
+    params = dict(params, block=_ring_block(params["block"], k.shape[1], v.shape[2]))
     if count == 1:
-        return _bind(*operands, None, **params)
+        out = _bind(*operands, None, **params)
+        return out[..., :-1].astype(out_dtype), out[..., -1]
     forward_ring = [(i, (i + 1) % count) for i in range(count)]
     backward_ring = [((i + 1) % count, i) for i in range(count)]
     grad_params = {name: params[name] for name in ("scale", "causal", "block")}
@@ -320,7 +336,7 @@ def _ring(operands, names, params):
         lse = jnp.full(q.shape[:-1], -jnp.inf, jnp.float32)
         (o, lse, *last), _ = lax.scan(step, (o, lse, k, v, k_pos), length=count - 1)
         o, lse = attend(o, lse, *last)
-        return jnp.concatenate([o, lse[..., None]], -1), tuple(last)
+        return (o.astype(out_dtype), lse), tuple(last)
 
     @jax.custom_vjp
     def ring(q, k, v, q_pos, k_pos):
@@ -331,8 +347,8 @@ def _ring(operands, names, params):
         return out, (q, k, v, q_pos, k_pos, out, last)
 
     def ring_bwd(residuals, g):
-        q, k, v, q_pos, k_pos, out, last = residuals
-        rows = xla_attention.cotangent_rows(out, g, v.dtype)
+        q, k, v, q_pos, k_pos, (o, lse), last = residuals
+        rows = xla_attention.cotangent_rows(o, lse, *g, v.dtype)
 
         def share(shard, accumulators):
             k, v, k_pos = shard
@@ -381,16 +397,15 @@ def _merged(o, lse, o_new, lse_new):
     return o, jnp.where(total > 0, shift + jnp.log(safe), -jnp.inf)
 
 
-def _combine_key_shards(out, mesh_names):
+def _combine_key_shards(o_local, lse_local, mesh_names):
     """The output and logsumexp over all key shards from each shard's: one
     pmax of the logsumexp and one psum of the weighted outputs with their weights."""
-    out = _varying_over(out, mesh_names)
-    lse_local = out[..., -1]
+    o_local, lse_local = (_varying_over(x, mesh_names) for x in (o_local, lse_local))
     # The shift cancels in value; its gradient is zero (and pmax has none).
     top = lax.pmax(lax.stop_gradient(lse_local), mesh_names)
     shift = jnp.where(jnp.isfinite(top), top, 0.0)
     weight = jnp.exp(lse_local - shift)
-    summed = _sum_then_tile.mesh_sum(jnp.concatenate([out[..., :-1] * weight[..., None],
+    summed = _sum_then_tile.mesh_sum(jnp.concatenate([o_local * weight[..., None],
                                                weight[..., None]], -1),
                               mesh_names, platform=mesh_platform())
     total = summed[..., -1]
@@ -471,12 +486,12 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, seq: str | int,
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     params = dict(scale=scale, causal=bool(causal), block=block, kernels=selection_param())
     if ring:
-        out = _ring(operands, ring, params)
+        # Where the shards combine afterwards, they combine in float32.
+        o, lse = _ring(operands, ring, params, jnp.float32 if sharded else q.dtype)
     else:
         out = _bind(*operands[:5], operands[5] if len(operands) > 5 else None, **params)
-    if sharded:
-        o, lse = _combine_key_shards(out, sharded)
-    else:
         o, lse = out[..., :-1], out[..., -1]
+    if sharded:
+        o, lse = _combine_key_shards(o, lse, sharded)
     o = o.reshape(*token_shape, v.shape[-1]).astype(q.dtype)
     return (o, lse.reshape(token_shape)) if return_lse else o

@@ -127,23 +127,22 @@ def _forward(q, k, v, q_pos, k_pos, bias, *, scale, causal, block):
     return lax.fori_loop(0, qb.count, query_block, out)
 
 
-def cotangent_rows(out, g, dtype):
-    """What the backward reads of ``out`` and its cotangent ``g``: the
-    output's cotangent in ``dtype`` (v's), and per query the logsumexp (+inf
-    for a query that sees no key: exp(s - inf) = 0, no gradient) and the
-    softmax's row constant ``d(lse) - rowsum(d(o) * o)`` (d(score) = p *
-    (d(p) + that): the softmax's Jacobian with the logsumexp's own cotangent
-    folded in)."""
-    o, lse = out[..., :-1], out[..., -1]
-    g_o, g_lse = g[..., :-1], g[..., -1]
-    row_term = g_lse - jnp.sum(g_o * o, axis=2)
+def cotangent_rows(o, lse, g_o, g_lse, dtype):
+    """What the backward reads of the output ``o``, its logsumexp and their
+    cotangents: the output's cotangent in ``dtype`` (v's), and per query the
+    logsumexp (+inf for a query that sees no key: exp(s - inf) = 0, no
+    gradient) and the softmax's row constant ``d(lse) - rowsum(d(o) * o)``
+    (d(score) = p * (d(p) + that): the softmax's Jacobian with the
+    logsumexp's own cotangent folded in)."""
+    row_term = g_lse - jnp.sum(g_o.astype(jnp.float32) * o.astype(jnp.float32), axis=2)
     return g_o.astype(dtype), jnp.where(jnp.isfinite(lse), lse, jnp.inf), row_term
 
 
 def _backward(q, k, v, q_pos, k_pos, bias, out, g, *, scale, causal, block):
     """(dq, dk, dv, dbias) for the cotangent ``g`` [B, Tq, E + 1] of ``out``,
     in the dtypes of q, k, v."""
-    return _backward_rows(q, k, v, q_pos, k_pos, bias, *cotangent_rows(out, g, v.dtype),
+    rows = cotangent_rows(out[..., :-1], out[..., -1], g[..., :-1], g[..., -1], v.dtype)
+    return _backward_rows(q, k, v, q_pos, k_pos, bias, *rows,
                           scale=scale, causal=causal, block=block)
 
 
