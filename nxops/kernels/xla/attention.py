@@ -15,8 +15,9 @@ causal mask hides wholly is skipped (``lax.cond``). The backward
 (``jax.custom_vjp``) recomputes each block's probabilities from the saved
 logsumexp, as FlashAttention-2 does, and accumulates dq, dk, dv (and the
 bias's gradient) in f32: dq whole, dk and dv one key block at a time. Dots
-take the inputs' dtype and accumulate in f32; the probabilities (and their gradients) meet ``v`` (``q``, ``k``) in the
-inputs' dtype, as the materialized program's dots would take them.
+take the inputs' dtype and accumulate in f32; the probabilities (and their
+gradients) meet ``v`` (``q``, ``k``) in the inputs' dtype, as the
+materialized program's dots would take them.
 
 A last block that would run past the end starts earlier instead (no padded
 copy of the operands), and masks the rows/columns it shares with the block
