@@ -320,6 +320,28 @@ def test_ring_passes_each_key_and_value_shard_n_minus_1_times():
     assert low <= backward <= low + shards_again, (moved, moved_with_grads)
 
 
+def test_ring_bf16_matches_one_device():
+    """bf16 over a ring of 4 devices: the loss and dq, dk, dv as the same xmap's
+    on one device (the ring accumulates dk, dv in f32 across its shards)."""
+    (q, k, v), _ = operands((2, 3, 24, 8), (2, 3, 24, 8), 8, jnp.bfloat16, 9)
+    body = lambda q, k, v: nx.attention(q, k, v, seq="s", q_seq="qs", causal=True, block=5)  # noqa: E731
+
+    def loss(resources):
+        spec = lambda name: ["b", "h", name, None]  # noqa: E731
+        attend = nx.xmap(body, [spec("qs"), spec("s"), spec("s")], spec("qs"),
+                         axis_resources=resources)
+        return lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32) ** 2)
+    mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
+    with jax.set_mesh(mesh):
+        got = jax.jit(jax.value_and_grad(loss({"qs": "y", "s": "y"}), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.value_and_grad(loss({}), argnums=(0, 1, 2))(q, k, v)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.dtype == r.dtype
+        r = r.astype(jnp.float32)
+        _tolerances.assert_close(g.astype(jnp.float32), r, jnp.bfloat16,
+                                 scale=4 * max(1.0, float(jnp.max(jnp.abs(r)))))
+
+
 def test_ring_holds_a_fraction_of_one_device_program():
     """Batch 1, 16 heads, 8192 tokens, head dim 128, bf16, causal, queries and
     keys over 8 CPU devices: each device's temp of jit(value_and_grad) is at
