@@ -242,13 +242,18 @@ def test_memory_h100(benchmark, size_name):
     assert figures["nx.attention"] <= limit * figures["materialized"], figures
 
 
-def test_memory_ring_small(benchmark):
-    """Per device, the ring over 8 devices holds less than one device's
-    program (at the small size; bench/README.md and docs/attention.md give
-    the large size, where it does not yet)."""
-    figures = benchmark.pedantic(ring_memory, (MEMORY_SIZES["small"],), rounds=1, iterations=1)
+RING_LIMIT = 0.27   # per device against one device, at either size (0.250 measured at the large)
+
+
+@pytest.mark.parametrize("size_name", ["small", "large"])
+def test_memory_ring(benchmark, size_name):
+    """Per device, the ring over 8 devices holds at most RING_LIMIT of the
+    one-device program (the issue's goal, 1/6, is not reached: see
+    bench/README.md)."""
+    figures = benchmark.pedantic(ring_memory, (MEMORY_SIZES[size_name],), rounds=1,
+                                 iterations=1)
     benchmark.extra_info.update(figures)
-    assert figures["ring"] < figures["one device"], figures
+    assert figures["ring"] <= RING_LIMIT * figures["one device"], figures
 
 
 @pytest.mark.parametrize("size_name", ["small", "medium"])
@@ -270,6 +275,8 @@ def test_time_cpu(benchmark, causal, size_name):
 
 
 if __name__ == "__main__":
+    import sys
     print(memory_table(MEMORY_SIZES["large"]))
-    print()
-    print(time_table(TIME_SIZES["medium"]))
+    if sys.argv[1:] != ["memory"]:   # `python -m bench.bench_attention memory`: the memory only
+        print()
+        print(time_table(TIME_SIZES["medium"]))

@@ -33,7 +33,7 @@ from nxops.ops._named_layout import along_vmap_names
 from nxops.ops._positions import axis_index
 from nxops.ops._cross_entropy import (_check_axis_argument, _positional_dim, _resolve_name,
                                       _summed_over_vocab_shards)
-from nxops.ops._primitive import kernel_primitive, match_varying, selection_param
+from nxops.ops._primitive import kernel_primitive, local_primitive, match_varying, selection_param
 
 OP = "nx.attention"
 
@@ -90,6 +90,41 @@ def _attention_batcher(vals_in, dims_in, *, scale, causal, block, kernels):
 
 
 batching.primitive_batchers[attention_p] = _attention_batcher
+
+
+partial_gradients_p = local_primitive("nx_attention_partial_gradients",
+                                      xla_attention.partial_gradients)
+# Operands q, k, v, q_pos, k_pos (as attention_p's), the rows the backward
+# reads of the output over every key shard and its cotangent (g_o [B, Tq, E],
+# lse [B, Tq], row_term [B, Tq]: xla_attention.cotangent_rows), and the
+# float32 accumulators dq, dk, dv; results: the accumulators plus this key
+# shard's share. Parameters: scale, causal, block.
+_KEY_SIDE = (1, 2, 4, 9, 10)        # k, v, k_pos and the dk, dv accumulators
+_QUERY_SIDE = (0, 3, 5, 6, 7, 8)    # q, q_pos, the cotangent rows and the dq accumulator
+
+
+def _partial_gradients(*operands, scale, causal, block):
+    return partial_gradients_p.bind(*operands, scale=scale, causal=causal, block=block)
+
+
+def _partial_gradients_batcher(vals_in, dims_in, **params):
+    """As attention_p's: a name the keys do not vary along makes more query
+    rows of one pass (whose dk, dv sum over them in the pass, never one per
+    query), the others batch members."""
+    size = next(x.shape[d] for x, d in zip(vals_in, dims_in) if d is not None)
+    if all(dims_in[i] is None for i in _KEY_SIDE):
+        operands = list(vals_in)
+        for i in _QUERY_SIDE:
+            operands[i] = _into_rows(vals_in[i], dims_in[i], size)
+        dq, dk, dv = _partial_gradients(*operands, **params)
+        return (dq.reshape(dq.shape[0], size, dq.shape[1] // size, dq.shape[2]), dk, dv), \
+            (1, None, None)
+    grads = _partial_gradients(*(_into_batch(x, d, size) for x, d in zip(vals_in, dims_in)),
+                               **params)
+    return tuple(x.reshape(size, x.shape[0] // size, *x.shape[1:]) for x in grads), (0, 0, 0)
+
+
+batching.primitive_batchers[partial_gradients_p] = _partial_gradients_batcher
 
 
 # --- differentiation: the registry's forward, the reference's backward --------
@@ -250,31 +285,105 @@ def _gather_keys(k, v, k_pos, bias, names):
             None if bias is None else gather(bias, -1))
 
 
-def _ring(operands, names, params):
-    """(output, logsumexp) of the local queries against every key shard of
-    mesh axes ``names``: the key, value and position shards pass around the
-    ring (n - 1 ``ppermute``s each), one local pass per shard, merged by
-    their logsumexps. A scan, so that one pass's temporaries are live at a
-    time. Differentiated by JAX: each pass's backward is the kernel's, and
-    the ``ppermute``s transpose to the reverse ring, which carries dk and dv
-    home."""
-    q, k, v, q_pos, k_pos = operands
+def _ring_block(block, keys, e):
+    """Queries and keys per step of a ring pass: ``block`` where given; by
+    default the largest power of two (at most the default) whose f32 scores
+    are no larger than the shard's output (block² <= keys x E): a device of
+    the ring holds 1/n of everything else, and its pass's blocks should not
+    outweigh that."""
+    if block is not None:
+        return block
+    fitting = 2 ** int(math.log2(max(1.0, math.sqrt(keys * e))))
+    return min(xla_attention.DEFAULT_BLOCK, fitting)
+
+
+def _ring(operands, names, params, out_dtype):
+    """(output in ``out_dtype``, float32 logsumexp) of the local queries
+    against every key shard of mesh axes ``names``: the key, value and
+    position shards pass around the ring (n - 1 ``ppermute``s each), one
+    local pass per shard, merged by their logsumexps (a scan: one pass's
+    temporaries live at a time).
+
+    Its VJP keeps only the local shards, the output and the last shard the
+    forward saw: the backward passes the key shards around the ring again,
+    the other way, each with its dk, dv accumulators (FlashAttention-2's
+    backward per shard against the whole softmax's logsumexp), so that no
+    device ever holds more than two shards of the keys."""
     count = math.prod(_axis_env.physical_axis_size(n) for n in names)
-    ring = [(i, (i + 1) % count) for i in range(count)]
+    k, v = operands[1:3]
+    params = dict(params, block=_ring_block(params["block"], k.shape[1], v.shape[2]))
+    if count == 1:
+        out = _bind(*operands, None, **params)
+        return out[..., :-1].astype(out_dtype), out[..., -1]
+    forward_ring = [(i, (i + 1) % count) for i in range(count)]
+    backward_ring = [((i + 1) % count, i) for i in range(count)]
+    grad_params = {name: params[name] for name in ("scale", "causal", "block")}
 
-    def attend(o, lse, k, v, k_pos):
-        out = _bind(q, k, v, q_pos, k_pos, None, **params)
-        return _merged(o, lse, out[..., :-1], out[..., -1])
+    def rotate(xs, ring):
+        return tuple(_ppermute_bits(x, names, ring) for x in xs)
 
-    def step(carry, _):
-        o, lse, k, v, k_pos = carry
-        o, lse = attend(o, lse, k, v, k_pos)
-        return (o, lse, *(lax.ppermute(x, names, ring) for x in (k, v, k_pos))), None
+    def forward(q, k, v, q_pos, k_pos):
+        """(o, lse), and the last key shard (k, v, positions) the device saw."""
+        def attend(o, lse, k, v, k_pos):
+            out = _bind(q, k, v, q_pos, k_pos, None, **params)
+            return _merged(o, lse, out[..., :-1], out[..., -1])
 
-    o = jnp.zeros((*q.shape[:-1], v.shape[-1]), jnp.float32)
-    lse = jnp.full(q.shape[:-1], -jnp.inf, jnp.float32)
-    (o, lse, k, v, k_pos), _ = lax.scan(step, (o, lse, k, v, k_pos), length=count - 1)
-    return attend(o, lse, k, v, k_pos)
+        def step(carry, _):
+            o, lse, *shard = carry
+            return (*attend(o, lse, *shard), *rotate(shard, forward_ring)), None
+
+        o = jnp.zeros((*q.shape[:-1], v.shape[-1]), jnp.float32)
+        lse = jnp.full(q.shape[:-1], -jnp.inf, jnp.float32)
+        (o, lse, *last), _ = lax.scan(step, (o, lse, k, v, k_pos), length=count - 1)
+        o, lse = attend(o, lse, *last)
+        return (o.astype(out_dtype), lse), tuple(last)
+
+    @jax.custom_vjp
+    def ring(q, k, v, q_pos, k_pos):
+        return forward(q, k, v, q_pos, k_pos)[0]
+
+    def ring_fwd(q, k, v, q_pos, k_pos):
+        out, last = forward(q, k, v, q_pos, k_pos)
+        return out, (q, k, v, q_pos, k_pos, out, last)
+
+    def ring_bwd(residuals, g):
+        q, k, v, q_pos, k_pos, (o, lse), last = residuals
+        rows = xla_attention.cotangent_rows(o, lse, *g, v.dtype)
+
+        def share(shard, accumulators):
+            k, v, k_pos = shard
+            return _partial_gradients(q, k, v, q_pos, k_pos, *rows, *accumulators,
+                                      **grad_params)
+
+        def step(carry, _):
+            # The shard of the next device back arrives with its accumulators.
+            dq, dk, dv, *shard = carry
+            shard = rotate(shard, backward_ring)
+            dk, dv = rotate((dk, dv), backward_ring)
+            return (*share(shard, (dq, dk, dv)), *shard), None
+
+        # The forward's shards in reverse: the last one first; n - 2 arrive
+        # around the ring; the local one is the residual; the accumulators
+        # travel n - 1 times and end where their shard lives.
+        zeros = tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, *last[:2]))
+        carry = (*share(last, zeros), *last)
+        (dq, dk, dv, *_), _ = lax.scan(step, carry, length=count - 2)
+        dk, dv = rotate((dk, dv), backward_ring)
+        dq, dk, dv = share((k, v, k_pos), (dq, dk, dv))
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+    ring.defvjp(ring_fwd, ring_bwd)
+    return ring(*operands)
+
+
+def _ppermute_bits(x, names, ring):
+    """``lax.ppermute`` of ``x``'s bits: XLA:CPU's collectives widen 16-bit
+    floats to float32 (twice the bytes, and a float32 copy of each shard in
+    flight); the same bits as uint16 pass as they are on every platform."""
+    if x.dtype.itemsize != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
+        return lax.ppermute(x, names, ring)
+    moved = lax.ppermute(lax.bitcast_convert_type(x, jnp.uint16), names, ring)
+    return lax.bitcast_convert_type(moved, x.dtype)
 
 
 def _merged(o, lse, o_new, lse_new):
@@ -288,16 +397,15 @@ def _merged(o, lse, o_new, lse_new):
     return o, jnp.where(total > 0, shift + jnp.log(safe), -jnp.inf)
 
 
-def _combine_key_shards(out, mesh_names):
+def _combine_key_shards(o_local, lse_local, mesh_names):
     """The output and logsumexp over all key shards from each shard's: one
     pmax of the logsumexp and one psum of the weighted outputs with their weights."""
-    out = _varying_over(out, mesh_names)
-    lse_local = out[..., -1]
+    o_local, lse_local = (_varying_over(x, mesh_names) for x in (o_local, lse_local))
     # The shift cancels in value; its gradient is zero (and pmax has none).
     top = lax.pmax(lax.stop_gradient(lse_local), mesh_names)
     shift = jnp.where(jnp.isfinite(top), top, 0.0)
     weight = jnp.exp(lse_local - shift)
-    summed = _sum_then_tile.mesh_sum(jnp.concatenate([out[..., :-1] * weight[..., None],
+    summed = _sum_then_tile.mesh_sum(jnp.concatenate([o_local * weight[..., None],
                                                weight[..., None]], -1),
                               mesh_names, platform=mesh_platform())
     total = summed[..., -1]
@@ -387,13 +495,12 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, seq: str | int,
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     params = dict(scale=scale, causal=bool(causal), block=block, kernels=selection_param())
     if ring:
-        o, lse = _ring(operands, ring, params)
-        out = jnp.concatenate([o, lse[..., None]], -1)
+        # Where the shards combine afterwards, they combine in float32.
+        o, lse = _ring(operands, ring, params, jnp.float32 if sharded else q.dtype)
     else:
         out = _bind(*operands[:5], operands[5] if len(operands) > 5 else None, **params)
-    if sharded:
-        o, lse = _combine_key_shards(out, sharded)
-    else:
         o, lse = out[..., :-1], out[..., -1]
+    if sharded:
+        o, lse = _combine_key_shards(o, lse, sharded)
     o = o.reshape(*token_shape, v.shape[-1]).astype(q.dtype)
     return (o, lse.reshape(token_shape)) if return_lse else o

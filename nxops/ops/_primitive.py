@@ -181,3 +181,38 @@ def match_varying(*xs):
     union = frozenset().union(*varying)
     return tuple(lax.pcast(x, tuple(sorted(union - v)), to="varying") if union - v else x
                  for x, v in zip(xs, varying))
+
+
+@functools.lru_cache(maxsize=1024)
+def _abstract_eval_many(reference, avals, items, x64: bool):
+    del x64   # a cache key only (see _abstract_eval_cached)
+    params = dict(items)
+    fn = lambda *args: list(reference(*args, **params))  # noqa: E731
+    info = api_util.debug_info("nxops abstract eval", reference, avals, {})
+    return pe.abstract_eval_fun(fn, *avals, debug_info=info)
+
+
+def local_primitive(name: str, reference: Callable[..., Sequence[Any]]) -> Primitive:
+    """A primitive with several results that always runs ``reference`` (pure
+    JAX, every platform; no registry choice): a place for a batching rule of
+    its own where JAX's vmap of ``reference`` would do more work."""
+    prim = Primitive(name)
+    prim.multiple_results = True
+
+    def abstract_eval(*avals, **params):
+        return _abstract_eval_many(reference, tuple(avals), tuple(sorted(params.items())),
+                                   bool(jax.config.jax_enable_x64))
+
+    def lower(ctx, *args, **params):
+        local_ctx = ctx.replace(avals_in=[_local_aval(a) for a in ctx.avals_in],
+                                avals_out=[_local_aval(a) for a in ctx.avals_out],
+                                name_stack=source_info_util.new_name_stack())
+        with (jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())),
+              jax_config._check_vma(False)):
+            return mlir.lower_fun(functools.partial(reference, **params),
+                                  multiple_results=True)(local_ctx, *args)
+
+    prim.def_impl(functools.partial(dispatch.apply_primitive, prim))
+    prim.def_abstract_eval(abstract_eval)
+    mlir.register_lowering(prim, lower)
+    return prim

@@ -128,22 +128,35 @@ def _forward(q, k, v, q_pos, k_pos, bias, *, scale, causal, block):
     return lax.fori_loop(0, qb.count, query_block, out)
 
 
+def cotangent_rows(o, lse, g_o, g_lse, dtype):
+    """What the backward reads of the output ``o``, its logsumexp and their
+    cotangents: the output's cotangent in ``dtype`` (v's), and per query the
+    logsumexp (+inf for a query that sees no key: exp(s - inf) = 0, no
+    gradient) and the softmax's row constant ``d(lse) - rowsum(d(o) * o)``
+    (d(score) = p * (d(p) + that): the softmax's Jacobian with the
+    logsumexp's own cotangent folded in)."""
+    row_term = g_lse - jnp.sum(g_o.astype(jnp.float32) * o.astype(jnp.float32), axis=2)
+    return g_o.astype(dtype), jnp.where(jnp.isfinite(lse), lse, jnp.inf), row_term
+
+
 def _backward(q, k, v, q_pos, k_pos, bias, out, g, *, scale, causal, block):
-    """(dq, dk, dv, dbias) for the cotangent ``g`` [B, Tq, E + 1] of ``out``.
+    """(dq, dk, dv, dbias) for the cotangent ``g`` [B, Tq, E + 1] of ``out``,
+    in the dtypes of q, k, v."""
+    rows = cotangent_rows(out[..., :-1], out[..., -1], g[..., :-1], g[..., -1], v.dtype)
+    return _backward_rows(q, k, v, q_pos, k_pos, bias, *rows,
+                          scale=scale, causal=causal, block=block)
+
+
+def _backward_rows(q, k, v, q_pos, k_pos, bias, g_o, lse, row_term, *, scale, causal, block,
+                   into=None):
+    """``_backward`` from ``cotangent_rows``; with ``into`` (float32 dq, dk,
+    dv) the gradients are added to those, in float32.
 
     FlashAttention-2's order: the outer loop over key blocks holds one block's
     dk, dv in f32 and writes them out once; the inner loop over query blocks
     adds each block's share into dq, the only whole f32 accumulator."""
     tq, tk = q.shape[1], k.shape[1]
     qb, kb = _Blocks(tq, block_size(tq, block)), _Blocks(tk, block_size(tk, block))
-    o, lse = out[..., :-1], out[..., -1]
-    g_o, g_lse = g[..., :-1], g[..., -1]
-    # d(score) = p * (d(p) - rowsum(d(o) * o) + d(lse)): the softmax's Jacobian
-    # with the logsumexp's own cotangent folded into the per-row constant.
-    row_term = g_lse - jnp.sum(g_o * o, axis=2)
-    # A query that sees no key has lse -inf and no gradient: exp(-inf - inf) = 0.
-    lse = jnp.where(jnp.isfinite(lse), lse, jnp.inf)
-    g_o = g_o.astype(v.dtype)
 
     def key_block(j, carry):
         dk, dv, dq, dbias = carry
@@ -167,8 +180,8 @@ def _backward(q, k, v, q_pos, k_pos, bias, out, g, *, scale, causal, block):
                     db = ds if dbias.shape[0] == ds.shape[0] else jnp.sum(ds, 0, keepdims=True)
                     dbias = lax.dynamic_update_slice(dbias, db, (0, qb.start(i), kb.start(j)))
                 # Each pair counts once: a query row the block before took adds
-                # nothing here. dk, dv take every column of this key block (the
-                # block overwrites its columns whole); dq, summed over key
+                # nothing here. dk, dv take every column of this key block (only
+                # the new ones are added, see _add_columns); dq, summed over key
                 # blocks, only the columns the block before did not take.
                 new_rows = qb.new(i)[None, :, None]
                 ds_rows = jnp.where(new_rows, ds, 0.0).astype(q.dtype)
@@ -180,22 +193,45 @@ def _backward(q, k, v, q_pos, k_pos, bias, out, g, *, scale, causal, block):
                 ds_pairs = jnp.where(new_cols, ds_rows, 0)
                 dq_blk = lax.dot_general(ds_pairs, k_blk, (((2,), (1,)), ((0,), (0,))),
                                          preferred_element_type=jnp.float32)
-                return dk_blk, dv_blk, _add_rows(dq, dq_blk, qb.start(i)), dbias
+                return dk_blk, dv_blk, _add_rows(dq, dq_blk * scale, qb.start(i)), dbias
 
             return lax.cond(_visible(qp, kp, causal), compute, lambda c: c, inner)
 
         init = (jnp.zeros(k_blk.shape, jnp.float32), jnp.zeros(v_blk.shape, jnp.float32), dq,
                 dbias)
         dk_blk, dv_blk, dq, dbias = lax.fori_loop(0, qb.count, query_block, init)
-        dk = lax.dynamic_update_slice_in_dim(dk, (dk_blk * scale).astype(k.dtype), kb.start(j),
-                                             axis=1)
-        dv = lax.dynamic_update_slice_in_dim(dv, dv_blk.astype(v.dtype), kb.start(j), axis=1)
-        return dk, dv, dq, dbias
+        return _add_columns(dk, dk_blk * scale, kb, j), _add_columns(dv, dv_blk, kb, j), dq, dbias
 
-    init = (jnp.zeros(k.shape, k.dtype), jnp.zeros(v.shape, v.dtype), jnp.zeros(q.shape, jnp.float32),
-            None if bias is None else jnp.zeros(bias.shape, jnp.float32))
-    dk, dv, dq, dbias = lax.fori_loop(0, kb.count, key_block, init)
-    return (dq * scale).astype(q.dtype), dk, dv, dbias
+    dq, dk, dv = into or (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, k.dtype),
+                          jnp.zeros(v.shape, v.dtype))
+    dbias = None if bias is None else jnp.zeros(bias.shape, jnp.float32)
+    dk, dv, dq, dbias = lax.fori_loop(0, kb.count, key_block, (dk, dv, dq, dbias))
+    return (dq if into else dq.astype(q.dtype)), dk, dv, dbias
+
+
+def _add_columns(acc, block, blocks, step):
+    """``acc`` with a key block's gradient added: only its columns that the
+    block before did not take (a last block that starts earlier recomputes
+    those whole, and they are already in)."""
+    new = blocks.new(step)[None, :, None]
+    current = blocks.take(acc, step)
+    updated = current + jnp.where(new, block, 0.0).astype(acc.dtype)
+    return lax.dynamic_update_slice_in_dim(acc, updated, blocks.start(step), axis=1)
+
+
+def partial_gradients(q, k, v, q_pos, k_pos, g_o, lse, row_term, dq, dk, dv, *, scale,
+                      causal, block):
+    """The float32 accumulators dq, dk, dv plus one key shard's share of the
+    gradient, from ``cotangent_rows`` of the output over every shard (the
+    logsumexp is the whole softmax's, so each shard's probabilities are
+    already normalized): the shares sum to the whole gradient (ring
+    attention's backward)."""
+    if q.shape[1] == 0 or k.shape[1] == 0:
+        return dq, dk, dv
+    dq, dk, dv, _ = _backward_rows(q, k, v, q_pos.astype(jnp.int32), k_pos.astype(jnp.int32),
+                                   None, g_o, lse, row_term, scale=float(scale),
+                                   causal=bool(causal), block=block, into=(dq, dk, dv))
+    return dq, dk, dv
 
 
 def _add_rows(acc, rows, start):
