@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import nxops as nx
+from tests._extras import skip_without_extra
 
 OPS = ["sum", "max", "min", "prod"]
 
@@ -16,7 +17,8 @@ def _named(op):
     return nx.xmap(lambda v: getattr(nx, op)(v, "a"), [["a", ...]], [...])
 
 
-@pytest.mark.parametrize("selection", ["pallas", "reduce=triton"])
+@pytest.mark.parametrize("selection", [
+    "pallas", pytest.param("reduce=triton", marks=skip_without_extra("triton", "triton", "jax_triton"))])
 @pytest.mark.parametrize("dtype", ["int32", "float64"])
 @pytest.mark.parametrize("op", OPS)
 def test_requested_kernel_refuses_integer_and_float64_reductions_saying_why(op, dtype, selection):
