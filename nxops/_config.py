@@ -15,6 +15,8 @@ reads the states here, never ``os.environ``.
   machine's tables, which `auto` reads before the shipped ones.
 - ``NXOPS_MGPU_COLLECTIVES``: JAX's Mosaic GPU collectives for
   ``collective=pallas`` on cuda.
+- ``NXOPS_TRACEBACK_FILTERING``: hide nxops' own frames from tracebacks
+  (default on; ``nxops._traceback`` reads it once, at import).
 """
 from __future__ import annotations
 
@@ -84,6 +86,10 @@ MEASURED_DIR = _state(
 MGPU_COLLECTIVES = _flag(
     "NXOPS_MGPU_COLLECTIVES",
     "Whether collective=pallas uses JAX's Mosaic GPU collectives on cuda (NVLink SHARP).")
+TRACEBACK_FILTERING = _state(
+    "NXOPS_TRACEBACK_FILTERING", "on",
+    "Whether tracebacks of errors raised through nxops hide nxops' own frames.",
+    lambda value: parse_flag(value, "NXOPS_TRACEBACK_FILTERING"))
 
 
 def _cache_home() -> pathlib.Path:

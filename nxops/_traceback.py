@@ -18,16 +18,16 @@ import inspect
 import os
 from typing import Callable, Iterable, TypeVar
 
+from nxops import _config
 from nxops._jax import traceback_util
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-_OFF = ("off", "0", "false", "no")
 
 F = TypeVar("F", bound=Callable)
 
 
 def hides_nxops_frames() -> bool:
-    return os.environ.get("NXOPS_TRACEBACK_FILTERING", "on").strip().lower() not in _OFF
+    return _config.parse_flag(_config.TRACEBACK_FILTERING.value, "NXOPS_TRACEBACK_FILTERING")
 
 
 def api_boundary(fun: F) -> F:

@@ -14,7 +14,8 @@ import nxops as nx
 from nxops import _config
 
 SWITCHES = [("KERNELS", "xla"), ("AUTOTUNE", "on"), ("AUTOTUNE_CACHE", "/nonexistent/autotune"),
-            ("MEASURED_DIR", "/nonexistent/measured"), ("MGPU_COLLECTIVES", "yes")]
+            ("MEASURED_DIR", "/nonexistent/measured"), ("MGPU_COLLECTIVES", "yes"),
+            ("TRACEBACK_FILTERING", "off")]
 VARIABLES = sorted(f"NXOPS_{name}" for name, _ in SWITCHES)
 
 

@@ -111,24 +111,48 @@ def test_compiling_for_cuda_still_works_after_an_interpreted_launch():
     assert "triton_kernel_call" in text
 
 
-def test_every_launch_sets_fp_fusion_itself(monkeypatch):
-    """jax-triton takes ``enable_fp_fusion`` per launch: nxops passes it
-    there instead of changing Triton's process-wide default."""
+def _launch_records_kwargs(monkeypatch, triton_call):
     import jax
     import jax.numpy as jnp
     from nxops.kernels.triton import _launch
-
-    calls = []
-
-    def triton_call(*args, **kwargs):
-        calls.append(kwargs)
-        return [jnp.zeros(s.shape, s.dtype) for s in kwargs[_launch._OUT_KEYWORD]]
 
     monkeypatch.setattr(_launch, "_jax_triton", lambda: types.SimpleNamespace(triton_call=triton_call))
     _launch.launch(_row_sums_via_helpers, jnp.ones((4, 7)), 7, target=_launch.Target("cuda", 90),
                    name="sums", out_shape=[jax.ShapeDtypeStruct((4,), jnp.float32)], grid=(4,),
                    BC=8)
-    assert calls[0]["enable_fp_fusion"] is True
+
+
+def _fake_outputs(kwargs):
+    import jax.numpy as jnp
+    from nxops.kernels.triton import _launch
+    return [jnp.zeros(s.shape, s.dtype) for s in kwargs[_launch._OUT_KEYWORD]]
+
+
+def test_every_launch_sets_fp_fusion_itself(monkeypatch):
+    """jax-triton 0.3 takes ``enable_fp_fusion`` per launch: nxops passes it
+    there instead of changing Triton's process-wide default."""
+    calls = []
+
+    def triton_call(*args, **kwargs):   # 0.3: no backend_options
+        calls.append(kwargs)
+        return _fake_outputs(kwargs)
+
+    _launch_records_kwargs(monkeypatch, triton_call)
+    assert calls[0]["enable_fp_fusion"] is True and "backend_options" not in calls[0]
+
+
+def test_jax_triton_04_gets_fp_fusion_in_its_backend_options(monkeypatch):
+    """jax-triton 0.4 passes unknown keywords to the kernel as constexprs: the
+    option goes in ``backend_options``, never as a keyword of its own."""
+    calls = []
+
+    def triton_call(*args, backend_options=None, **kwargs):
+        calls.append(dict(kwargs, backend_options=backend_options))
+        return _fake_outputs(kwargs)
+
+    _launch_records_kwargs(monkeypatch, triton_call)
+    assert calls[0]["backend_options"] == {"enable_fp_fusion": True}
+    assert "enable_fp_fusion" not in calls[0]
 
 
 def test_importing_nxops_leaves_tritons_environment_alone():

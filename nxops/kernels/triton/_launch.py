@@ -51,6 +51,15 @@ def _jax_triton():
     return jax_triton
 
 
+def _fp_fusion_keywords(triton_call) -> dict:
+    """How ``triton_call`` takes the fp-fusion option: jax-triton 0.4 in
+    ``backend_options`` (any other keyword becomes a constexpr of the kernel,
+    which would break its signature); 0.3 as a keyword of its own."""
+    if "backend_options" in inspect.signature(triton_call).parameters:
+        return {"backend_options": {"enable_fp_fusion": FP_FUSION}}
+    return {"enable_fp_fusion": FP_FUSION}
+
+
 @dataclasses.dataclass(frozen=True)
 class Target:
     """Where a kernel runs: ``platform`` ("cuda" or "cpu") and, on cuda, the
@@ -110,11 +119,11 @@ def launch(kernel, *args: Any, out_shape: Sequence[jax.ShapeDtypeStruct], grid: 
         records.append(Launch(name, kernel.fn.__name__, tuple(grid), num_warps, num_stages,
                               tuple(sorted(constexprs.items()))))
     if target.platform == "cuda":
-        jax_triton = _jax_triton()
-        outs = jax_triton.triton_call(
+        triton_call = _jax_triton().triton_call
+        outs = triton_call(
             *args, kernel=kernel, **{_OUT_KEYWORD: out_shape}, grid=tuple(grid), name=name,
             num_warps=num_warps, num_stages=num_stages,
-            compute_capability=target.compute_capability, enable_fp_fusion=FP_FUSION,
+            compute_capability=target.compute_capability, **_fp_fusion_keywords(triton_call),
             **constexprs)
         return list(outs)
     arrays = [a for a in args if isinstance(a, jax.Array) or hasattr(a, "aval")]
