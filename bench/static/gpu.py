@@ -124,6 +124,16 @@ def topology(arch: str, num_devices: int = 1):
                                         topology=f"1x1x{num_devices}")
 
 
+def compile_available(arch: str = "h100") -> bool:
+    """Whether this machine compiles for ``arch`` without a GPU (the compile
+    extra: the CUDA plugin); benchmarks skip their GPU figures without it."""
+    try:
+        topology(arch)
+        return True
+    except Exception:  # noqa: BLE001 - no CUDA plugin here: the GPU figure is skipped
+        return False
+
+
 def gpu_mesh(arch: str, mesh_shape: Sequence[int], mesh_axes: Sequence[str]):
     """A mesh of ``prod(mesh_shape)`` GPUs of ``arch`` (for sharded arguments)."""
     topo = topology(arch, math.prod(mesh_shape))
