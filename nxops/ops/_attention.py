@@ -27,8 +27,7 @@ from jax.interpreters import ad, batching
 from nxops._errors import NxopsError
 from nxops._typing import ArrayLike
 from nxops.kernels.xla import attention as xla_attention
-from nxops.kernels.xla import collectives as xla_collectives
-from nxops.ops import _axis_env, _sum_then_tile
+from nxops.ops import _axis_env, _collectives, _sum_then_tile
 from nxops.ops._axis_env import mesh_platform
 from nxops.ops._named_layout import along_vmap_names
 from nxops.ops._positions import axis_index
@@ -280,9 +279,9 @@ def _varying_over(x, names):
 def _gather_keys(k, v, k_pos, bias, names):
     """All the keys of mesh axes ``names`` on every device (the queries vary
     along them too: each device's queries see every key)."""
-    def gather(x, axis):   # the reference all-gather: it avoids JAX's psum_scatter
-        x = _varying_over(x, names)   # transpose where an Explicit mesh axis stays automatic
-        return xla_collectives.all_gather(x, names, axis=axis % x.ndim, tiled=True)
+    def gather(x, axis):   # the registry's all-gather, as nx.all_gather over mesh axes
+        return _collectives.mesh_collective("all_gather", x, tuple(names), axis=axis % x.ndim,
+                                            tiled=True)
     return (gather(k, -2), gather(v, -2), gather(k_pos, 0),
             None if bias is None else gather(bias, -1))
 

@@ -39,7 +39,7 @@ _XLA_COLLECTIVES = {"all_gather": xla_collectives.all_gather,
                     "reduce_scatter": xla_collectives.reduce_scatter}
 
 
-def _mesh_collective(op: str, x, mesh_names: tuple[str, ...], **params):
+def mesh_collective(op: str, x, mesh_names: tuple[str, ...], **params):
     """Runs collective ``op`` over ``mesh_names`` in the kernel the registry
     picks for this mesh's platform (one collective over all the names)."""
     platform = _axis_env.mesh_platform()
@@ -97,7 +97,7 @@ def all_gather(x: ArrayLike, axis_name: AxisNames, *, axis: int = 0,
     if vmap_names:  # minor names first: a local gather (a reshape after batching)
         x = along_vmap_names(x, "gather", vmap_names, axis)
     if mesh_names:
-        x = _mesh_collective("all_gather", x, mesh_names, axis=axis, tiled=True)
+        x = mesh_collective("all_gather", x, mesh_names, axis=axis, tiled=True)
     return x
 
 
@@ -143,7 +143,7 @@ def psum_scatter(x: ArrayLike, axis_name: AxisNames, *, scatter_dimension: int =
     # vmap part promotes, XLA's reduce-scatter over the mesh would not (or refuse bool).
     x = x.astype(jax.eval_shape(jnp.sum, jax.ShapeDtypeStruct((), x.dtype)).dtype)
     if mesh_names:  # major names first: one reduce-scatter over the mesh
-        x = _mesh_collective("reduce_scatter", x, mesh_names, scatter_dimension=dim, tiled=True)
+        x = mesh_collective("reduce_scatter", x, mesh_names, scatter_dimension=dim, tiled=True)
     if vmap_names:
         x = along_vmap_names(x, "scatter", vmap_names, dim)
     return x if tiled else jnp.squeeze(x, dim)
