@@ -270,6 +270,14 @@ def _untyped_bwd_error(mesh_op: tuple) -> NxopsError:
         f"or map {name!r} to no resources.")
 
 
+def unbound_in_running_rule(name) -> bool:
+    """Whether a custom rule of a call in an nx.xmap body is running with the
+    logical ``name`` no longer bound as it was at the call: a ``bwd`` traced
+    for a ``jax.grad`` taken outside the xmap (whose ``shard_map`` then sums
+    a replicated operand's cotangent over the mesh axes itself)."""
+    return name in _UNBOUND_AT_RULE.get()
+
+
 def note_named_op(names: Sequence, *, op: str) -> None:
     """Records a named op over mesh axes run by a custom call's primal function."""
     call = _PRIMAL_OF.get()

@@ -317,22 +317,26 @@ def _combine_vocab_shards(stats, mesh_names):
     return top + jnp.log(summed[0]), summed[1]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _summed_over_vocab_shards(h, mesh_names):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _summed_over_vocab_shards(h, mesh_names, vocab):
     """``h`` (replicated over the vocab's mesh axes); its cotangent is each
-    shard's contribution: summed over the shards here, so that dh is the
-    whole gradient on every shard, as where the vocab is a local tile. (The
-    division undoes the psum that transposes the combining psum; a gradient
-    taken outside the xmap then psums the replicated h's cotangent once more,
-    over the cotangent shard_map divided by the shard count.)"""
+    shard's contribution. For a gradient taken in the body they are summed
+    over the shards, so that dh is the whole gradient on every shard, as
+    where the vocab is a local tile (the division undoes the psum that
+    transposes the combining psum there). For a gradient taken outside the
+    xmap the ``shard_map`` sums the replicated ``h``'s cotangent over those
+    axes itself, and each shard's contribution is already 1x: it goes to
+    that one sum as it is (one all-reduce of dh, as in the unfused program)."""
     return h
 
 
-def _summed_fwd(h, mesh_names):
+def _summed_fwd(h, mesh_names, vocab):
     return h, None
 
 
-def _summed_bwd(mesh_names, _, ct):
+def _summed_bwd(mesh_names, vocab, _, ct):
+    if _axis_env.unbound_in_running_rule(vocab):
+        return (ct,)
     count = math.prod(_axis_env.physical_axis_size(n) for n in mesh_names)
     return (_sum_then_tile.mesh_sum(ct, mesh_names, platform=_mesh_platform()) / count,)
 
@@ -422,7 +426,7 @@ def cross_entropy(h: ArrayLike, w: ArrayLike, labels: ArrayLike, *, hidden: str 
     local_labels = labels
     if vocab_mesh:
         local_labels = labels - lax.axis_index(vocab_mesh) * w2.shape[1]
-        h2 = _summed_over_vocab_shards(h2, vocab_mesh)
+        h2 = _summed_over_vocab_shards(h2, vocab_mesh, vocab)
     h2, w2, local_labels = match_varying(h2, w2, local_labels)
     chunk = None if vocab_chunk is None else int(vocab_chunk)
     stats = _bind(h2, w2, local_labels, chunk=chunk, backward=backward, kernels=selection_param())

@@ -19,6 +19,8 @@ would take them.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -152,18 +154,35 @@ def _live_rows(g_lse, g_picked):
     return (g_lse != 0) | (g_picked != 0)
 
 
-def _backward(h, w, labels, lse, g_lse, g_picked, size: int, need_dh: bool = True,
-              need_dw: bool = True):
-    """(dh, dw) for cotangents ``g_lse`` of the logsumexp and ``g_picked`` of
-    the label's logit: d(logits) = softmax * g_lse + onehot(label) * g_picked,
-    each chunk's logits recomputed from the saved logsumexp (None for a
-    gradient not needed)."""
+# The recompute backward's f32 dh accumulator: tokens x hidden while it fits
+# this budget; beyond it, token blocks one at a time (each with its own loop
+# over the vocab chunks), so that a vocab shard's device holds no f32 array of
+# all its tokens (vocab-parallel: the partial dh before the sum over shards).
+DH_BLOCK_BYTES = 16 << 20
+
+
+def backward_token_block(tokens: int, hidden: int) -> int:
+    """Tokens per block of the recompute backward: all of them while their
+    f32 dh fits ``DH_BLOCK_BYTES``, else the largest power of two that does."""
+    fits = max(1, DH_BLOCK_BYTES // (4 * max(hidden, 1)))
+    if tokens <= fits:
+        return tokens
+    return 1 << (fits.bit_length() - 1)
+
+
+def _backward_block(h, w, labels, lse, g_lse, g_picked, dw, rows_new, size: int,
+                    need_dh: bool, need_dw: bool):
+    """One token block's (f32 dh rows, ``dw`` with the block's part added):
+    d(logits) = softmax * g_lse + onehot(label) * g_picked, each chunk's
+    logits recomputed from the saved logsumexp. ``rows_new``: the rows not
+    in the block before (None: all), the only ones added into dw."""
     vocab = w.shape[1]
     count, _ = _chunk_starts(vocab, size)
     # (A NaN row of h would still reach dw through its zero d(logits): the
     # named layer replaces ignored rows before the primitive. Replacing them
     # here too would cost a tokens x hidden copy of h.)
     live = _live_rows(g_lse, g_picked)[:, None]
+    adds_to_dw = live if rows_new is None else live & rows_new[:, None]
 
     def step(i, carry):
         dh, dw = carry
@@ -171,20 +190,58 @@ def _backward(h, w, labels, lse, g_lse, g_picked, size: int, need_dh: bool = Tru
         softmax = jnp.exp(_logits(h, w_chunk) - lse[:, None])
         hit = columns == labels[:, None]
         dlogits = softmax * g_lse[:, None] + jnp.where(hit, g_picked[:, None], 0.0)
-        dlogits = jnp.where(live, dlogits, 0.0)
-        # dh takes each column once; dw's columns shared with the chunk before
-        # are recomputed whole and overwritten (a plain in-place update).
+        # Each column once: the last chunk's columns shared with the one
+        # before add nothing (to dh, nor to dw).
+        dlogits = jnp.where(live & new, dlogits, 0.0)
         if need_dh:
-            dh = dh + _dot(jnp.where(new, dlogits, 0.0).astype(h.dtype), w_chunk, ((1,), (1,)))
+            dh = dh + _dot(dlogits.astype(h.dtype), w_chunk, ((1,), (1,)))
         if need_dw:
+            if rows_new is not None:
+                dlogits = jnp.where(adds_to_dw, dlogits, 0.0)
             dw_chunk = _dot(h, dlogits.astype(h.dtype), ((0,), (0,)))
-            dw = lax.dynamic_update_slice_in_dim(dw, dw_chunk.astype(dw.dtype), start, axis=1)
+            dw = lax.dynamic_update_slice_in_dim(
+                dw, (_columns(dw, start, size).astype(F32) + dw_chunk).astype(dw.dtype),
+                start, axis=1)
         return dh, dw
 
-    init = (jnp.zeros(h.shape if need_dh else (0,), F32),
-            jnp.zeros(w.shape if need_dw else (0,), w.dtype))
-    dh, dw = lax.fori_loop(0, count, step, init)
-    return (dh.astype(h.dtype) if need_dh else None), (dw if need_dw else None)
+    init = (jnp.zeros(h.shape if need_dh else (0,), F32), dw)
+    return lax.fori_loop(0, count, step, init)
+
+
+def _backward(h, w, labels, lse, g_lse, g_picked, size: int, need_dh: bool = True,
+              need_dw: bool = True):
+    """(dh, dw) for cotangents ``g_lse`` of the logsumexp and ``g_picked`` of
+    the label's logit (None for a gradient not needed). Token blocks (see
+    ``DH_BLOCK_BYTES``) add their dw into one array of w's dtype: in 16-bit
+    floats, dw is then a sum of that many rounded partial sums (as where the
+    tokens are on several devices)."""
+    tokens, hidden = h.shape
+    block = backward_token_block(tokens, hidden)
+    dw = jnp.zeros(w.shape if need_dw else (0,), w.dtype)
+    if block == tokens:
+        dh, dw = _backward_block(h, w, labels, lse, g_lse, g_picked, dw, None, size,
+                                 need_dh, need_dw)
+        return (dh.astype(h.dtype) if need_dh else None), (dw if need_dw else None)
+
+    def step(i, carry):
+        dh, dw = carry
+        # The barrier keeps the slices of h in the loop (no f32 copy of the
+        # whole h hoisted out of it on XLA:CPU, as for w in ``_chunk``).
+        h_all, i = lax.optimization_barrier((h, i))
+        first = i * block
+        start = jnp.minimum(first, tokens - block)
+        rows = functools.partial(lax.dynamic_slice_in_dim, start_index=start, slice_size=block,
+                                 axis=0)
+        rows_new = start + lax.broadcasted_iota(jnp.int32, (block,), 0) >= first
+        dh_block, dw = _backward_block(rows(h_all), w, rows(labels), rows(lse), rows(g_lse),
+                                       rows(g_picked), dw, rows_new, size, need_dh, need_dw)
+        if need_dh:
+            dh = lax.dynamic_update_slice_in_dim(dh, dh_block.astype(h.dtype), start, axis=0)
+        return dh, dw
+
+    dh = jnp.zeros(h.shape if need_dh else (0,), h.dtype)
+    dh, dw = lax.fori_loop(0, -(-tokens // block), step, (dh, dw))
+    return (dh if need_dh else None), (dw if need_dw else None)
 
 
 def forward(h, w, labels, size: int) -> jax.Array:
