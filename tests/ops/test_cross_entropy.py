@@ -5,6 +5,7 @@ errors."""
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,7 @@ from hypothesis import given, settings, strategies as st
 from jax.sharding import AxisType
 
 import nxops as nx
+from nxops.kernels.xla import cross_entropy as xla_cross_entropy
 from tests import _tolerances
 
 from tests.ops._util import assert_close
@@ -304,6 +306,66 @@ def test_vocab_parallel_hlo_has_no_gather_and_one_pmax_one_psum(mesh):
     found = nx.hlo.collectives(compiled.as_text())
     assert sorted(c.kind for c in found) == ["all-reduce", "all-reduce"], found
     assert all(np.prod(s) <= 2 * T for c in found for s in c.result_shapes), found
+
+
+def test_vocab_parallel_gradient_outside_all_reduces_dh_once(mesh):
+    """jax.grad outside the xmap: dh (tokens x hidden) is summed over the
+    vocab shards by one all-reduce, as in the unfused program."""
+    xmapped = nx.xmap(fused_body, IN_AXES, ["tok"], axis_resources={"vocab": "y"})
+    step = jax.grad(lambda h, w, l: jnp.sum(xmapped(h, w, l)), argnums=(0, 1))
+    h, w, labels = named_operands()
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(step).lower(h, w, labels).compile()
+    # (nx.hlo reads no replica groups of the resharding all-gather of dw,
+    # which the Explicit mesh makes at the end: the all-reduces are read here.)
+    all_reduces = re.findall(r"= \w+\[([\d,]*)\]\S* all-reduce(?:-start)?\(",
+                             compiled.as_text())
+    sizes = [np.prod([int(d) for d in dims.split(",") if d]) for dims in all_reduces]
+    assert sum(size >= h.size for size in sizes) == 1, all_reduces
+
+
+def _numpy_gradients(h, w, labels, g_lse, g_picked):
+    """float64 (dh, dw) of sum(g_lse * lse + g_picked * picked)."""
+    h, w = np.asarray(h, np.float64), np.asarray(w, np.float64)
+    logits = h @ w
+    softmax = np.exp(logits - logits.max(1, keepdims=True))
+    softmax /= softmax.sum(1, keepdims=True)
+    dlogits = softmax * np.asarray(g_lse)[:, None]
+    own = (labels >= 0) & (labels < w.shape[1])
+    dlogits[np.arange(len(labels))[own], labels[own]] += np.asarray(g_picked)[own]
+    return dlogits @ w.T, h.T @ dlogits
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("block", [4, 16, 37])
+def test_recompute_backward_by_token_blocks_matches_numpy(dtype, block):
+    """Token blocks (the last one overlapping the one before) and vocab chunks
+    (likewise), none a divisor of the sizes: dh and dw as float64 NumPy's,
+    with a label outside this shard and a row with no cotangent."""
+    tokens, hidden, vocab, chunk = 37, 8, 29, 6
+    rng = np.random.default_rng(block)
+    h = jnp.asarray(rng.standard_normal((tokens, hidden)), DTYPES[dtype])
+    w = jnp.asarray(rng.standard_normal((hidden, vocab)) / np.sqrt(hidden), DTYPES[dtype])
+    labels = rng.integers(0, vocab, tokens)
+    labels[5] = vocab + 3
+    g = rng.standard_normal((2, tokens)).astype(np.float32)
+    g[:, 9] = 0.0
+    lse = jax.nn.logsumexp(np.asarray(h, np.float32) @ np.asarray(w, np.float32), axis=1)
+    dh, dw = xla_cross_entropy.backward(h, w, jnp.asarray(labels, jnp.int32), lse,
+                                        jnp.asarray(g), chunk, block=block)
+    want_dh, want_dw = _numpy_gradients(h, w, labels, g[0], g[1])
+    for got, want in ((dh, want_dh), (dw, want_dw)):
+        assert got.dtype == DTYPES[dtype]
+        _tolerances.assert_close(np.asarray(got, np.float32), want, DTYPES[dtype],
+                                 scale=np.abs(want).max())
+
+
+def test_backward_token_blocks_only_off_cpu_and_beyond_the_budget():
+    hidden = 2048
+    fits = xla_cross_entropy.DH_BLOCK_BYTES // (4 * hidden)
+    assert xla_cross_entropy.backward_token_block(8192, hidden, "cuda") == fits < 8192
+    assert xla_cross_entropy.backward_token_block(fits, hidden, "cuda") == fits
+    assert xla_cross_entropy.backward_token_block(8192, hidden, "cpu") == 8192
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])

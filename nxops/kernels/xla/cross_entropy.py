@@ -158,12 +158,18 @@ def _live_rows(g_lse, g_picked):
 # this budget; beyond it, token blocks one at a time (each with its own loop
 # over the vocab chunks), so that a vocab shard's device holds no f32 array of
 # all its tokens (vocab-parallel: the partial dh before the sum over shards).
-DH_BLOCK_BYTES = 16 << 20
+DH_BLOCK_BYTES = 8 << 20
 
 
-def backward_token_block(tokens: int, hidden: int) -> int:
+def backward_token_block(tokens: int, hidden: int, platform: str) -> int:
     """Tokens per block of the recompute backward: all of them while their
-    f32 dh fits ``DH_BLOCK_BYTES``, else the largest power of two that does."""
+    f32 dh fits ``DH_BLOCK_BYTES``, else the largest power of two that does.
+    Blocks add their dw into one array of w's dtype (in 16-bit floats dw is
+    then a sum of that many rounded partial sums, as where the tokens are on
+    several devices). Not on CPU: XLA:CPU copies a 16-bit dw that a loop
+    reads and updates (a dw-sized temp, more than the f32 dh it saves)."""
+    if platform == "cpu":
+        return tokens
     fits = max(1, DH_BLOCK_BYTES // (4 * max(hidden, 1)))
     if tokens <= fits:
         return tokens
@@ -182,7 +188,6 @@ def _backward_block(h, w, labels, lse, g_lse, g_picked, dw, rows_new, size: int,
     # named layer replaces ignored rows before the primitive. Replacing them
     # here too would cost a tokens x hidden copy of h.)
     live = _live_rows(g_lse, g_picked)[:, None]
-    adds_to_dw = live if rows_new is None else live & rows_new[:, None]
 
     def step(i, carry):
         dh, dw = carry
@@ -190,14 +195,18 @@ def _backward_block(h, w, labels, lse, g_lse, g_picked, dw, rows_new, size: int,
         softmax = jnp.exp(_logits(h, w_chunk) - lse[:, None])
         hit = columns == labels[:, None]
         dlogits = softmax * g_lse[:, None] + jnp.where(hit, g_picked[:, None], 0.0)
-        # Each column once: the last chunk's columns shared with the one
-        # before add nothing (to dh, nor to dw).
-        dlogits = jnp.where(live & new, dlogits, 0.0)
+        dlogits = jnp.where(live, dlogits, 0.0)
+        # dh takes each column once.
         if need_dh:
-            dh = dh + _dot(dlogits.astype(h.dtype), w_chunk, ((1,), (1,)))
-        if need_dw:
-            if rows_new is not None:
-                dlogits = jnp.where(adds_to_dw, dlogits, 0.0)
+            dh = dh + _dot(jnp.where(new, dlogits, 0.0).astype(h.dtype), w_chunk, ((1,), (1,)))
+        if need_dw and rows_new is None:
+            # One block: dw's columns shared with the chunk before are
+            # recomputed whole and overwritten (a plain in-place update).
+            dw_chunk = _dot(h, dlogits.astype(h.dtype), ((0,), (0,)))
+            dw = lax.dynamic_update_slice_in_dim(dw, dw_chunk.astype(dw.dtype), start, axis=1)
+        elif need_dw:
+            # Blocks: the new rows' part of the new columns, added.
+            dlogits = jnp.where(new & rows_new[:, None], dlogits, 0.0)
             dw_chunk = _dot(h, dlogits.astype(h.dtype), ((0,), (0,)))
             dw = lax.dynamic_update_slice_in_dim(
                 dw, (_columns(dw, start, size).astype(F32) + dw_chunk).astype(dw.dtype),
@@ -209,19 +218,25 @@ def _backward_block(h, w, labels, lse, g_lse, g_picked, dw, rows_new, size: int,
 
 
 def _backward(h, w, labels, lse, g_lse, g_picked, size: int, need_dh: bool = True,
-              need_dw: bool = True):
+              need_dw: bool = True, block: int | None = None):
     """(dh, dw) for cotangents ``g_lse`` of the logsumexp and ``g_picked`` of
-    the label's logit (None for a gradient not needed). Token blocks (see
-    ``DH_BLOCK_BYTES``) add their dw into one array of w's dtype: in 16-bit
-    floats, dw is then a sum of that many rounded partial sums (as where the
-    tokens are on several devices)."""
-    tokens, hidden = h.shape
-    block = backward_token_block(tokens, hidden)
+    the label's logit (None for a gradient not needed), by token blocks of
+    ``block`` rows (None: all the tokens in one)."""
+    block = h.shape[0] if block is None else min(block, h.shape[0])
+    dh, dw = _backward_blocks(h, w, labels, lse, g_lse, g_picked, size=size, block=block,
+                              need_dh=need_dh, need_dw=need_dw)
+    return (dh if need_dh else None), (dw if need_dw else None)
+
+
+def _backward_blocks(h, w, labels, lse, g_lse, g_picked, *, size: int, block: int,
+                     need_dh: bool, need_dw: bool):
+    """(dh, dw) by token blocks of ``block`` rows (empty for one not needed)."""
+    tokens = h.shape[0]
     dw = jnp.zeros(w.shape if need_dw else (0,), w.dtype)
     if block == tokens:
         dh, dw = _backward_block(h, w, labels, lse, g_lse, g_picked, dw, None, size,
                                  need_dh, need_dw)
-        return (dh.astype(h.dtype) if need_dh else None), (dw if need_dw else None)
+        return dh.astype(h.dtype), dw
 
     def step(i, carry):
         dh, dw = carry
@@ -240,8 +255,7 @@ def _backward(h, w, labels, lse, g_lse, g_picked, size: int, need_dh: bool = Tru
         return dh, dw
 
     dh = jnp.zeros(h.shape if need_dh else (0,), h.dtype)
-    dh, dw = lax.fori_loop(0, -(-tokens // block), step, (dh, dw))
-    return (dh if need_dh else None), (dw if need_dw else None)
+    return lax.fori_loop(0, -(-tokens // block), step, (dh, dw))
 
 
 def forward(h, w, labels, size: int) -> jax.Array:
@@ -249,9 +263,11 @@ def forward(h, w, labels, size: int) -> jax.Array:
     return jnp.stack(_forward(h, w, labels, size))
 
 
-def backward(h, w, labels, lse, g, size: int, need_dh: bool = True, need_dw: bool = True):
-    """(dh, dw) for the cotangent ``g`` [2, T] of ``forward``'s result."""
-    return _backward(h, w, labels, lse, g[0], g[1], size, need_dh, need_dw)
+def backward(h, w, labels, lse, g, size: int, need_dh: bool = True, need_dw: bool = True,
+             block: int | None = None):
+    """(dh, dw) for the cotangent ``g`` [2, T] of ``forward``'s result, by
+    token blocks of ``block`` rows (None: one; see ``backward_token_block``)."""
+    return _backward(h, w, labels, lse, g[0], g[1], size, need_dh, need_dw, block)
 
 
 def tangent(h, w, labels, lse, dh, dw, size: int) -> jax.Array:
