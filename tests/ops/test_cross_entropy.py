@@ -336,12 +336,15 @@ def _numpy_gradients(h, w, labels, g_lse, g_picked):
     return dlogits @ w.T, h.T @ dlogits
 
 
+@pytest.mark.parametrize("platform", ["cpu", "cuda"])
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 @pytest.mark.parametrize("block", [4, 16, 37])
-def test_recompute_backward_by_token_blocks_matches_numpy(dtype, block):
+def test_recompute_backward_by_token_blocks_matches_numpy(dtype, block, platform):
     """Token blocks (the last one overlapping the one before) and vocab chunks
-    (likewise), none a divisor of the sizes: dh and dw as float64 NumPy's,
-    with a label outside this shard and a row with no cotangent."""
+    (likewise), none a divisor of the sizes, in either loop order (CPU's:
+    blocks inside the chunks; the others': chunks inside the blocks): dh and
+    dw as float64 NumPy's, with a label outside this shard and a row with no
+    cotangent."""
     tokens, hidden, vocab, chunk = 37, 8, 29, 6
     rng = np.random.default_rng(block)
     h = jnp.asarray(rng.standard_normal((tokens, hidden)), DTYPES[dtype])
@@ -352,7 +355,7 @@ def test_recompute_backward_by_token_blocks_matches_numpy(dtype, block):
     g[:, 9] = 0.0
     lse = jax.nn.logsumexp(np.asarray(h, np.float32) @ np.asarray(w, np.float32), axis=1)
     dh, dw = xla_cross_entropy.backward(h, w, jnp.asarray(labels, jnp.int32), lse,
-                                        jnp.asarray(g), chunk, block=block)
+                                        jnp.asarray(g), chunk, block=block, platform=platform)
     want_dh, want_dw = _numpy_gradients(h, w, labels, g[0], g[1])
     for got, want in ((dh, want_dh), (dw, want_dw)):
         assert got.dtype == DTYPES[dtype]
@@ -360,12 +363,12 @@ def test_recompute_backward_by_token_blocks_matches_numpy(dtype, block):
                                  scale=np.abs(want).max())
 
 
-def test_backward_token_blocks_only_off_cpu_and_beyond_the_budget():
+def test_backward_token_blocks_only_beyond_the_budget():
     hidden = 2048
     fits = xla_cross_entropy.DH_BLOCK_BYTES // (4 * hidden)
-    assert xla_cross_entropy.backward_token_block(8192, hidden, "cuda") == fits < 8192
-    assert xla_cross_entropy.backward_token_block(fits, hidden, "cuda") == fits
-    assert xla_cross_entropy.backward_token_block(8192, hidden, "cpu") == 8192
+    assert xla_cross_entropy.backward_token_block(8192, hidden) == fits < 8192
+    assert xla_cross_entropy.backward_token_block(fits, hidden) == fits
+    assert xla_cross_entropy.backward_token_block(fits + 1, hidden) == fits
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])

@@ -154,26 +154,34 @@ def _live_rows(g_lse, g_picked):
     return (g_lse != 0) | (g_picked != 0)
 
 
-# The recompute backward's f32 dh accumulator: tokens x hidden while it fits
-# this budget; beyond it, token blocks one at a time (each with its own loop
-# over the vocab chunks), so that a vocab shard's device holds no f32 array of
-# all its tokens (vocab-parallel: the partial dh before the sum over shards).
+# The recompute backward's token blocks: all the tokens in one while their
+# f32 dh fits this budget; beyond it, blocks of as many as fit. Off CPU the
+# blocks are the outer loop, each with its own loop over the vocab chunks, so
+# that no f32 array of all the tokens is held (vocab-parallel: the partial dh
+# before the sum over the shards); their dw parts add into one array of w's
+# dtype (in 16-bit floats dw is then a sum of that many rounded partial sums,
+# as where the tokens are on several devices). On CPU the vocab chunks stay
+# the outer loop and the blocks are the inner one: XLA:CPU copies a 16-bit
+# dw that a loop reads and updates (a dw-sized temp), so dh is accumulated in
+# f32 there, and the blocks bound each step's products and h's f32 copy.
 DH_BLOCK_BYTES = 8 << 20
 
 
-def backward_token_block(tokens: int, hidden: int, platform: str) -> int:
-    """Tokens per block of the recompute backward: all of them while their
-    f32 dh fits ``DH_BLOCK_BYTES``, else the largest power of two that does.
-    Blocks add their dw into one array of w's dtype (in 16-bit floats dw is
-    then a sum of that many rounded partial sums, as where the tokens are on
-    several devices). Not on CPU: XLA:CPU copies a 16-bit dw that a loop
-    reads and updates (a dw-sized temp, more than the f32 dh it saves)."""
-    if platform == "cpu":
-        return tokens
+def backward_token_block(tokens: int, hidden: int) -> int:
+    """Tokens per block of the recompute backward (see ``DH_BLOCK_BYTES``):
+    all of them while their f32 dh fits, else the largest power of two that does."""
     fits = max(1, DH_BLOCK_BYTES // (4 * max(hidden, 1)))
     if tokens <= fits:
         return tokens
     return 1 << (fits.bit_length() - 1)
+
+
+def _block_rows(tokens: int, block: int, i):
+    """(first row of token block ``i``, which of its rows are new): the last
+    block ends at the last token and shares rows with the one before."""
+    first = i * block
+    start = jnp.minimum(first, tokens - block)
+    return start, start + lax.broadcasted_iota(jnp.int32, (block,), 0) >= first
 
 
 def _backward_block(h, w, labels, lse, g_lse, g_picked, dw, rows_new, size: int,
@@ -218,14 +226,67 @@ def _backward_block(h, w, labels, lse, g_lse, g_picked, dw, rows_new, size: int,
 
 
 def _backward(h, w, labels, lse, g_lse, g_picked, size: int, need_dh: bool = True,
-              need_dw: bool = True, block: int | None = None):
+              need_dw: bool = True, block: int | None = None, platform: str = "cpu"):
     """(dh, dw) for cotangents ``g_lse`` of the logsumexp and ``g_picked`` of
     the label's logit (None for a gradient not needed), by token blocks of
-    ``block`` rows (None: all the tokens in one)."""
+    ``block`` rows (None: all the tokens in one), in ``platform``'s loop
+    order (see ``DH_BLOCK_BYTES``)."""
     block = h.shape[0] if block is None else min(block, h.shape[0])
-    dh, dw = _backward_blocks(h, w, labels, lse, g_lse, g_picked, size=size, block=block,
-                              need_dh=need_dh, need_dw=need_dw)
+    by_blocks = _backward_blocks_inner if platform == "cpu" else _backward_blocks
+    dh, dw = by_blocks(h, w, labels, lse, g_lse, g_picked, size=size, block=block,
+                       need_dh=need_dh, need_dw=need_dw)
     return (dh if need_dh else None), (dw if need_dw else None)
+
+
+def _backward_blocks_inner(h, w, labels, lse, g_lse, g_picked, *, size: int, block: int,
+                           need_dh: bool, need_dw: bool):
+    """(dh, dw) with the vocab chunks outer and the token blocks inner: an f32
+    dh of all the tokens, each chunk's dw summed over the blocks in f32 and
+    written once."""
+    (tokens, hidden), vocab = h.shape, w.shape[1]
+    if block == tokens:
+        return _backward_blocks(h, w, labels, lse, g_lse, g_picked, size=size, block=block,
+                                need_dh=need_dh, need_dw=need_dw)
+    count, _ = _chunk_starts(vocab, size)
+    live = _live_rows(g_lse, g_picked)
+
+    def chunk_step(i, carry):
+        dh, dw = carry
+        w_chunk, start, columns, new = _chunk(w, i, size, vocab)
+
+        def block_step(b, block_carry):
+            dh, dw_chunk = block_carry
+            # The barrier keeps the slices of h in the loop (no f32 copy of
+            # the whole h hoisted out of it on XLA:CPU, as for w in ``_chunk``).
+            h_all, b = lax.optimization_barrier((h, b))
+            first, rows_new = _block_rows(tokens, block, b)
+            rows = functools.partial(lax.dynamic_slice_in_dim, start_index=first,
+                                     slice_size=block, axis=0)
+            h_block = rows(h_all)
+            softmax = jnp.exp(_logits(h_block, w_chunk) - rows(lse)[:, None])
+            hit = columns == rows(labels)[:, None]
+            dlogits = softmax * rows(g_lse)[:, None] + jnp.where(hit, rows(g_picked)[:, None],
+                                                                 0.0)
+            dlogits = jnp.where((rows(live) & rows_new)[:, None], dlogits, 0.0)
+            if need_dh:
+                update = _dot(jnp.where(new, dlogits, 0.0).astype(h.dtype), w_chunk,
+                              ((1,), (1,)))
+                dh = lax.dynamic_update_slice_in_dim(dh, rows(dh) + update, first, axis=0)
+            if need_dw:
+                dw_chunk = dw_chunk + _dot(h_block, dlogits.astype(h.dtype), ((0,), (0,)))
+            return dh, dw_chunk
+
+        init = (dh, jnp.zeros((hidden, size) if need_dw else (0,), F32))
+        dh, dw_chunk = lax.fori_loop(0, -(-tokens // block), block_step, init)
+        if need_dw:
+            # The columns shared with the chunk before: recomputed whole, overwritten.
+            dw = lax.dynamic_update_slice_in_dim(dw, dw_chunk.astype(dw.dtype), start, axis=1)
+        return dh, dw
+
+    init = (jnp.zeros(h.shape if need_dh else (0,), F32),
+            jnp.zeros(w.shape if need_dw else (0,), w.dtype))
+    dh, dw = lax.fori_loop(0, count, chunk_step, init)
+    return dh.astype(h.dtype), dw
 
 
 def _backward_blocks(h, w, labels, lse, g_lse, g_picked, *, size: int, block: int,
@@ -243,11 +304,9 @@ def _backward_blocks(h, w, labels, lse, g_lse, g_picked, *, size: int, block: in
         # The barrier keeps the slices of h in the loop (no f32 copy of the
         # whole h hoisted out of it on XLA:CPU, as for w in ``_chunk``).
         h_all, i = lax.optimization_barrier((h, i))
-        first = i * block
-        start = jnp.minimum(first, tokens - block)
+        start, rows_new = _block_rows(tokens, block, i)
         rows = functools.partial(lax.dynamic_slice_in_dim, start_index=start, slice_size=block,
                                  axis=0)
-        rows_new = start + lax.broadcasted_iota(jnp.int32, (block,), 0) >= first
         dh_block, dw = _backward_block(rows(h_all), w, rows(labels), rows(lse), rows(g_lse),
                                        rows(g_picked), dw, rows_new, size, need_dh, need_dw)
         if need_dh:
@@ -264,10 +323,11 @@ def forward(h, w, labels, size: int) -> jax.Array:
 
 
 def backward(h, w, labels, lse, g, size: int, need_dh: bool = True, need_dw: bool = True,
-             block: int | None = None):
+             block: int | None = None, platform: str = "cpu"):
     """(dh, dw) for the cotangent ``g`` [2, T] of ``forward``'s result, by
-    token blocks of ``block`` rows (None: one; see ``backward_token_block``)."""
-    return _backward(h, w, labels, lse, g[0], g[1], size, need_dh, need_dw, block)
+    token blocks of ``block`` rows (None: one; see ``backward_token_block``)
+    in ``platform``'s loop order."""
+    return _backward(h, w, labels, lse, g[0], g[1], size, need_dh, need_dw, block, platform)
 
 
 def tangent(h, w, labels, lse, dh, dw, size: int) -> jax.Array:
