@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 
 import nxops as nx
+from nxops.kernels.xla import cross_entropy as xla_cross_entropy
 from tests import _tolerances
 
-TOKENS, HIDDEN, VOCAB = 8, 6, 16
+TOKENS, HIDDEN, VOCAB = 6, 5, 16
 IGNORE = -1
 Z_LOSS = 0.01
 IN_AXES = [["tok", None], [None, "vocab"], ["tok"]]
@@ -36,10 +37,15 @@ PLACEMENTS = {
     "tokens loop, vocab y": (((2, 4), ("x", "y")), {"tok": nx.SerialLoop(2), "vocab": "y"}),
 }
 # (placement, kernels, backward): every placement with the reference and its
-# stored backward; the Pallas kernel (its derivatives are the recompute
-# backward's) where the vocab is local, sharded, and beside sharded tokens.
+# stored backward; the recompute backward in one token block and in blocks of
+# 2 tokens (the budget made small; 3 tokens per device or loop step: the last
+# block overlaps the one before);
+# the Pallas kernel (its derivatives are the recompute backward's) where the
+# vocab is local, sharded, and beside sharded tokens.
+BLOCKS = "recompute, 2-token blocks"
 CASES = ([(p, "xla", "in_forward") for p in PLACEMENTS] +
          [(p, "xla", "recompute") for p in ("none", "vocab on x,y", "tokens loop, vocab y")] +
+         [(p, "xla", BLOCKS) for p in ("none", "vocab on y", "tokens x, vocab y")] +
          [(p, "cross_entropy=pallas", "auto")
           for p in ("none", "vocab on y", "tokens x, vocab y", "tokens loop")])
 
@@ -108,8 +114,11 @@ def check(got, want, what: str):
 
 
 @pytest.mark.parametrize("placement, kernels, backward", CASES)
-def test_values_and_gradients_outside_and_inside(placement, kernels, backward):
+def test_values_and_gradients_outside_and_inside(placement, kernels, backward, monkeypatch):
     seed = 1000 + CASES.index((placement, kernels, backward))
+    if backward == BLOCKS:
+        monkeypatch.setattr(xla_cross_entropy, "DH_BLOCK_BYTES", 4 * HIDDEN * 2)
+        backward = "recompute"
     h, w, labels, weights = draw(seed)
     want = numpy_reference(h, w, labels, weights)
     args = (jnp.asarray(h, jnp.float32), jnp.asarray(w, jnp.float32),
