@@ -165,8 +165,7 @@ def _tangent_transpose(ct, h, w, labels, lse, dh_unit, dw_unit, dh, dw, *, size,
                                                        size, need_dh, need_dw)
     else:
         block = xla_cross_entropy.backward_token_block(h.shape[0], h.shape[1])
-        grads = xla_cross_entropy.backward(h, w, labels, lse, ct, size, need_dh, need_dw, block,
-                                           _mesh_platform())
+        grads = xla_cross_entropy.backward(h, w, labels, lse, ct, size, need_dh, need_dw, block)
     return [None] * 6 + list(grads)
 
 

@@ -336,13 +336,13 @@ def _numpy_gradients(h, w, labels, g_lse, g_picked):
     return dlogits @ w.T, h.T @ dlogits
 
 
-@pytest.mark.parametrize("platform", ["cpu", "cuda"])
+@pytest.mark.parametrize("order", [None, *xla_cross_entropy.ORDERS])
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 @pytest.mark.parametrize("block", [4, 16, 37])
-def test_recompute_backward_by_token_blocks_matches_numpy(dtype, block, platform):
+def test_recompute_backward_by_token_blocks_matches_numpy(dtype, block, order):
     """Token blocks (the last one overlapping the one before) and vocab chunks
-    (likewise), none a divisor of the sizes, in either loop order (CPU's:
-    blocks inside the chunks; the others': chunks inside the blocks): dh and
+    (likewise), none a divisor of the sizes, in either loop order (and the
+    platform's, None): dh and
     dw as float64 NumPy's, with a label outside this shard and a row with no
     cotangent."""
     tokens, hidden, vocab, chunk = 37, 8, 29, 6
@@ -355,7 +355,7 @@ def test_recompute_backward_by_token_blocks_matches_numpy(dtype, block, platform
     g[:, 9] = 0.0
     lse = jax.nn.logsumexp(np.asarray(h, np.float32) @ np.asarray(w, np.float32), axis=1)
     dh, dw = xla_cross_entropy.backward(h, w, jnp.asarray(labels, jnp.int32), lse,
-                                        jnp.asarray(g), chunk, block=block, platform=platform)
+                                        jnp.asarray(g), chunk, block=block, order=order)
     want_dh, want_dw = _numpy_gradients(h, w, labels, g[0], g[1])
     for got, want in ((dh, want_dh), (dw, want_dw)):
         assert got.dtype == DTYPES[dtype]

@@ -225,16 +225,30 @@ def _backward_block(h, w, labels, lse, g_lse, g_picked, dw, rows_new, size: int,
     return lax.fori_loop(0, count, step, init)
 
 
+# The recompute backward's loop orders (see ``DH_BLOCK_BYTES``): the token
+# blocks inside the vocab chunks (CPU's), or the vocab chunks inside the
+# token blocks (the others').
+ORDERS = ("blocks_inside", "chunks_inside")
+
+
 def _backward(h, w, labels, lse, g_lse, g_picked, size: int, need_dh: bool = True,
-              need_dw: bool = True, block: int | None = None, platform: str = "cpu"):
+              need_dw: bool = True, block: int | None = None, order: str | None = None):
     """(dh, dw) for cotangents ``g_lse`` of the logsumexp and ``g_picked`` of
     the label's logit (None for a gradient not needed), by token blocks of
-    ``block`` rows (None: all the tokens in one), in ``platform``'s loop
-    order (see ``DH_BLOCK_BYTES``)."""
+    ``block`` rows (None: all the tokens in one), in loop ``order`` (None:
+    the lowering platform's, see ``DH_BLOCK_BYTES``)."""
     block = h.shape[0] if block is None else min(block, h.shape[0])
-    by_blocks = _backward_blocks_inner if platform == "cpu" else _backward_blocks
-    dh, dw = by_blocks(h, w, labels, lse, g_lse, g_picked, size=size, block=block,
-                       need_dh=need_dh, need_dw=need_dw)
+    by_order = {name: functools.partial(fn, size=size, block=block, need_dh=need_dh,
+                                        need_dw=need_dw)
+                for name, fn in zip(ORDERS, (_backward_blocks_inner, _backward_blocks))}
+    args = (h, w, labels, lse, g_lse, g_picked)
+    if order is not None:
+        dh, dw = by_order[order](*args)
+    elif block == h.shape[0]:
+        dh, dw = by_order["chunks_inside"](*args)
+    else:
+        dh, dw = lax.platform_dependent(*args, cpu=by_order["blocks_inside"],
+                                        default=by_order["chunks_inside"])
     return (dh if need_dh else None), (dw if need_dw else None)
 
 
@@ -323,11 +337,11 @@ def forward(h, w, labels, size: int) -> jax.Array:
 
 
 def backward(h, w, labels, lse, g, size: int, need_dh: bool = True, need_dw: bool = True,
-             block: int | None = None, platform: str = "cpu"):
+             block: int | None = None, order: str | None = None):
     """(dh, dw) for the cotangent ``g`` [2, T] of ``forward``'s result, by
     token blocks of ``block`` rows (None: one; see ``backward_token_block``)
-    in ``platform``'s loop order."""
-    return _backward(h, w, labels, lse, g[0], g[1], size, need_dh, need_dw, block, platform)
+    in loop ``order`` (one of ``ORDERS``; None: the lowering platform's)."""
+    return _backward(h, w, labels, lse, g[0], g[1], size, need_dh, need_dw, block, order)
 
 
 def tangent(h, w, labels, lse, dh, dw, size: int) -> jax.Array:
