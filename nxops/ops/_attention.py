@@ -127,6 +127,35 @@ def _partial_gradients_batcher(vals_in, dims_in, **params):
 batching.primitive_batchers[partial_gradients_p] = _partial_gradients_batcher
 
 
+attention_step_p = local_primitive("nx_attention_step", lambda *operands, **params: (
+    xla_attention.continued(*operands, **params),))
+# Operands q, k, v, q_pos, k_pos (as attention_p's) and the float32 rows
+# [B, Tq, E + 1] (output and logsumexp) of the queries over other keys; its
+# result: those rows over these keys too. Parameters: scale, causal, block.
+
+
+def _attention_step(q, k, v, k_pos, q_pos, rows, params):
+    return attention_step_p.bind(q, k, v, q_pos, k_pos, rows, **params)[0]
+
+
+def _attention_step_batcher(vals_in, dims_in, **params):
+    """As partial_gradients_p's: a name the keys do not vary along makes more
+    query rows of one pass, the others batch members."""
+    size = next(x.shape[d] for x, d in zip(vals_in, dims_in) if d is not None)
+    if all(dims_in[i] is None for i in (1, 2, 4)):
+        operands = list(vals_in)
+        for i in (0, 3, 5):
+            operands[i] = _into_rows(vals_in[i], dims_in[i], size)
+        (rows,) = attention_step_p.bind(*operands, **params)
+        return (rows.reshape(rows.shape[0], size, rows.shape[1] // size, rows.shape[2]),), (1,)
+    (rows,) = attention_step_p.bind(*(_into_batch(x, d, size) for x, d in zip(vals_in, dims_in)),
+                                    **params)
+    return (rows.reshape(size, rows.shape[0] // size, *rows.shape[1:]),), (0,)
+
+
+batching.primitive_batchers[attention_step_p] = _attention_step_batcher
+
+
 # --- differentiation: the registry's forward, the reference's backward --------
 
 
@@ -301,9 +330,9 @@ def _ring_block(block, keys, e):
 def _ring(operands, names, params, out_dtype):
     """(output in ``out_dtype``, float32 logsumexp) of the local queries
     against every key shard of mesh axes ``names``: the key, value and
-    position shards pass around the ring (n - 1 ``ppermute``s each), one
-    local pass per shard, merged by their logsumexps (a scan: one pass's
-    temporaries live at a time).
+    position shards pass around the ring (n - 1 ``ppermute``s each), and each
+    shard continues the queries' online softmax in one buffer of output rows
+    (a scan: one pass's temporaries live at a time).
 
     Its VJP keeps only the local shards, the output and the last shard the
     forward saw: the backward passes the key shards around the ring again,
@@ -311,33 +340,31 @@ def _ring(operands, names, params, out_dtype):
     backward per shard against the whole softmax's logsumexp), so that no
     device ever holds more than two shards of the keys."""
     count = math.prod(_axis_env.physical_axis_size(n) for n in names)
-    k, v = operands[1:3]
+    q, k, v = operands[:3]
     params = dict(params, block=_ring_block(params["block"], k.shape[1], v.shape[2]))
     if count == 1:
         out = _bind(*operands, None, **params)
         return out[..., :-1].astype(out_dtype), out[..., -1]
     forward_ring = [(i, (i + 1) % count) for i in range(count)]
     backward_ring = [((i + 1) % count, i) for i in range(count)]
-    grad_params = {name: params[name] for name in ("scale", "causal", "block")}
+    step_params = {name: params[name] for name in ("scale", "causal", "block")}
 
     def rotate(xs, ring):
-        return tuple(_ppermute_bits(x, names, ring) for x in xs)
+        return tuple(lax.ppermute(x, names, ring) for x in xs)
 
     def forward(q, k, v, q_pos, k_pos):
         """(o, lse), and the last key shard (k, v, positions) the device saw."""
-        def attend(o, lse, k, v, k_pos):
-            out = _bind(q, k, v, q_pos, k_pos, None, **params)
-            return _merged(o, lse, out[..., :-1], out[..., -1])
-
         def step(carry, _):
-            o, lse, *shard = carry
-            return (*attend(o, lse, *shard), *rotate(shard, forward_ring)), None
+            rows, *shard = carry
+            return (_attention_step(q, *shard, q_pos, rows, step_params),
+                    *rotate(shard, forward_ring)), None
 
-        o = jnp.zeros((*q.shape[:-1], v.shape[-1]), jnp.float32)
-        lse = jnp.full(q.shape[:-1], -jnp.inf, jnp.float32)
-        (o, lse, *last), _ = lax.scan(step, (o, lse, k, v, k_pos), length=count - 1)
-        o, lse = attend(o, lse, *last)
-        return (o.astype(out_dtype), lse), tuple(last)
+        rows = jnp.concatenate([jnp.zeros((*q.shape[:-1], v.shape[-1]), jnp.float32),
+                                jnp.full((*q.shape[:-1], 1), -jnp.inf, jnp.float32)], -1)
+        (rows, *last), _ = lax.scan(step, (rows, _as_bits(k), _as_bits(v), k_pos),
+                                    length=count - 1)
+        rows = _attention_step(q, *last, q_pos, rows, step_params)
+        return (rows[..., :-1].astype(out_dtype), rows[..., -1]), tuple(last)
 
     @jax.custom_vjp
     def ring(q, k, v, q_pos, k_pos):
@@ -354,7 +381,7 @@ def _ring(operands, names, params, out_dtype):
         def share(shard, accumulators):
             k, v, k_pos = shard
             return _partial_gradients(q, k, v, q_pos, k_pos, *rows, *accumulators,
-                                      **grad_params)
+                                      **step_params)
 
         def step(carry, _):
             # The shard of the next device back arrives with its accumulators.
@@ -366,25 +393,25 @@ def _ring(operands, names, params, out_dtype):
         # The forward's shards in reverse: the last one first; n - 2 arrive
         # around the ring; the local one is the residual; the accumulators
         # travel n - 1 times and end where their shard lives.
-        zeros = tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, *last[:2]))
+        zeros = tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
         carry = (*share(last, zeros), *last)
         (dq, dk, dv, *_), _ = lax.scan(step, carry, length=count - 2)
         dk, dv = rotate((dk, dv), backward_ring)
-        dq, dk, dv = share((k, v, k_pos), (dq, dk, dv))
+        dq, dk, dv = share((_as_bits(k), _as_bits(v), k_pos), (dq, dk, dv))
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
     ring.defvjp(ring_fwd, ring_bwd)
     return ring(*operands)
 
 
-def _ppermute_bits(x, names, ring):
-    """``lax.ppermute`` of ``x``'s bits: XLA:CPU's collectives widen 16-bit
+def _as_bits(x):
+    """``x`` as it travels around a ring: XLA:CPU's collectives widen 16-bit
     floats to float32 (twice the bytes, and a float32 copy of each shard in
-    flight); the same bits as uint16 pass as they are on every platform."""
+    flight); the same bits as unsigned ints pass as they are on every
+    platform. The kernels take a shard's bits in place of its values."""
     if x.dtype.itemsize != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
-        return lax.ppermute(x, names, ring)
-    moved = lax.ppermute(lax.bitcast_convert_type(x, jnp.uint16), names, ring)
-    return lax.bitcast_convert_type(moved, x.dtype)
+        return x
+    return lax.bitcast_convert_type(x, jnp.uint16)
 
 
 def _merged(o, lse, o_new, lse_new):
