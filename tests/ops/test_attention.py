@@ -323,8 +323,11 @@ def test_ring_bf16_matches_one_device():
 def test_ring_holds_a_fraction_of_one_device_program():
     """Batch 1, 16 heads, 8192 tokens, head dim 128, bf16, causal, queries and
     keys over 8 CPU devices: each device's temp of jit(value_and_grad) is at
-    most 0.27 of the same xmap's on one device (0.250 measured; the scan
-    that JAX differentiated itself kept every shard and held 1.2x)."""
+    most 16.5 times one shard of q (bf16), and at most 0.26 of the same
+    xmap's on one device. Measured: 16.1 shards on JAX 0.10.2 and 0.12,
+    which is 0.1667 of one device on 0.10.2 (whose one-device program holds
+    float32 copies of q, k, v) and 0.249 on 0.12. The scan that JAX
+    differentiated itself kept every shard and held 1.2x."""
     shape = (1, 16, 8192, 128)
 
     def temp(devices, resources):
@@ -344,7 +347,8 @@ def test_ring_holds_a_fraction_of_one_device_program():
         return compiled.memory_analysis().temp_size_in_bytes
     one_device = temp(jax.devices()[:1], {})
     ring = temp(jax.devices()[:8], {"qs": "d", "s": "d"})
-    assert ring <= 0.27 * one_device, (ring, one_device)
+    shard = math.prod(shape) // 8 * 2
+    assert ring <= 16.5 * shard and ring <= 0.26 * one_device, (ring, one_device)
 
 
 LAYER_PLACEMENTS = {"none": {}, "batch x": {"b": "x"}, "sequence y": {"seq": "y"},
