@@ -31,9 +31,9 @@ from nxops.ops import _axis_env, _collectives, _sum_then_tile
 from nxops.ops._axis_env import mesh_platform
 from nxops.ops._named_layout import along_vmap_names
 from nxops.ops._positions import axis_index
-from nxops.ops._cross_entropy import (_check_axis_argument, _positional_dim, _resolve_name,
-                                      _summed_over_vocab_shards)
+from nxops.ops._cross_entropy import _check_axis_argument, _positional_dim, _resolve_name
 from nxops.ops._primitive import kernel_primitive, local_primitive, match_varying, selection_param
+from nxops.ops._replicated import replicated_over
 
 OP = "nx.attention"
 
@@ -159,21 +159,97 @@ batching.primitive_batchers[attention_step_p] = _attention_step_batcher
 # --- differentiation: the registry's forward, the reference's backward --------
 
 
-def _attention_jvp(primals, tangents, *, scale, causal, block, kernels):
-    q, k, v, q_pos, k_pos, *rest = primals
+# The JVP of attention_p is its forward plus attention_tangent_p, a primitive
+# linear in the tangents dq, dk, dv (and dbias): evaluated, it is forward mode
+# (jax.jvp, jacfwd), a blockwise pass with the forward's own derivative;
+# transposed, it is the backward (jax.grad, jacrev), FlashAttention-2's from
+# the saved output and logsumexp. Operands: q, k, v, q_pos, k_pos, the output
+# rows [B, Tq, E + 1], dq, dk, dv, and with a bias: bias, dbias.
+
+
+def _tangent_impl(q, k, v, q_pos, k_pos, out, dq, dk, dv, *bias, scale, causal, block):
+    del out   # the transpose's: forward mode recomputes by blocks
     config = (scale, causal, block)
 
-    def forward(q, k, v, q_pos, k_pos, bias, config):
-        return _bind(q, k, v, q_pos, k_pos, bias, scale=config[0], causal=config[1],
-                     block=config[2], kernels=kernels)
-    fused = xla_attention.differentiable(forward)
-    diff = (0, 1, 2) + ((5,) if rest else ())
-    primal_in = [primals[i] for i in diff]
-    tangent_in = [ad.instantiate_zeros(tangents[i]) for i in diff]
+    def forward(q, k, v, *b):
+        return xla_attention.forward(q, k, v, q_pos, k_pos, b[0] if b else None, config)
+    primals, tangents = (q, k, v, *bias[:1]), (dq, dk, dv, *bias[1:])
+    return (jax.jvp(forward, primals, tangents)[1],)
 
-    def of_differentiable(q, k, v, *bias):
-        return fused(q, k, v, q_pos, k_pos, bias[0] if bias else None, config)
-    return jax.jvp(of_differentiable, primal_in, tangent_in)
+
+attention_tangent_p = local_primitive("nx_attention_tangent", _tangent_impl)
+_TANGENT_KEY_SIDE = (1, 2, 4, 7, 8)      # k, v, k_pos, dk, dv
+_TANGENT_QUERY_SIDE = (0, 3, 5, 6)       # q, q_pos, the output rows, dq
+
+
+def _tangent_transpose(cts, *operands, scale, causal, block):
+    (ct,) = cts
+    q, k, v, q_pos, k_pos, out = operands[:6]
+    bias = operands[9] if len(operands) > 9 else None
+    linear = (6, 7, 8) + ((10,) if bias is not None else ())
+    if type(ct) is ad.Zero or not any(ad.is_undefined_primal(operands[i]) for i in linear):
+        return [None] * len(operands)
+    dq, dk, dv, dbias = xla_attention.backward(q, k, v, q_pos, k_pos, bias, out, ct,
+                                               scale=scale, causal=causal, block=block)
+    grads = dict(zip(linear, (dq, dk, dv, dbias)))
+    return [grads[i] if i in grads and ad.is_undefined_primal(operands[i]) else None
+            for i in range(len(operands))]
+
+
+ad.primitive_transposes[attention_tangent_p] = _tangent_transpose
+
+
+def _tangent_jvp(primals, tangents, **params):
+    """Forward mode of forward mode (jacfwd of jacfwd): the blockwise pass's own JVP."""
+    differentiable = tuple(i for i in range(len(primals)) if i not in (3, 4, 5))
+
+    def impl(*xs):
+        args = list(primals)
+        for i, x in zip(differentiable, xs):
+            args[i] = x
+        return _tangent_impl(*args, **params)
+    return jax.jvp(impl, [primals[i] for i in differentiable],
+                   [ad.instantiate_zeros(tangents[i]) for i in differentiable])
+
+
+ad.primitive_jvps[attention_tangent_p] = _tangent_jvp
+
+
+def _tangent_batcher(vals_in, dims_in, **params):
+    """As attention_p's: names the keys (and their tangents) do not vary
+    along make more query rows of one pass, the others batch members."""
+    size = next(x.shape[d] for x, d in zip(vals_in, dims_in) if d is not None)
+    operands, bias_rows = list(vals_in), (9, 10)[:len(vals_in) - 9]
+    if all(dims_in[i] is None for i in _TANGENT_KEY_SIDE):
+        for i in _TANGENT_QUERY_SIDE + bias_rows:
+            operands[i] = _into_rows(vals_in[i], dims_in[i], size)
+        (t,) = attention_tangent_p.bind(*operands, **params)
+        return (t.reshape(t.shape[0], size, t.shape[1] // size, t.shape[-1]),), (1,)
+    # A bias (and its tangent) shared by the batch stays [1, ...], as attention_p's.
+    shared = bias_rows and all(dims_in[i] is None and vals_in[i].shape[0] == 1
+                               for i in bias_rows)
+    for i, (x, d) in enumerate(zip(vals_in, dims_in)):
+        if not (shared and i in bias_rows):
+            operands[i] = _into_batch(x, d, size)
+    (t,) = attention_tangent_p.bind(*operands, **params)
+    return (t.reshape(size, t.shape[0] // size, *t.shape[1:]),), (0,)
+
+
+batching.primitive_batchers[attention_tangent_p] = _tangent_batcher
+
+
+def _attention_jvp(primals, tangents, *, scale, causal, block, kernels):
+    q, k, v, q_pos, k_pos, *bias = primals
+    out = _bind(q, k, v, q_pos, k_pos, bias[0] if bias else None, scale=scale, causal=causal,
+                block=block, kernels=kernels)
+    diff = (0, 1, 2) + ((5,) if bias else ())
+    if all(type(tangents[i]) is ad.Zero for i in diff):
+        return out, ad.Zero.from_primal_value(out)
+    dq, dk, dv, *dbias = (ad.instantiate_zeros(tangents[i]) for i in diff)
+    extra = (bias[0], dbias[0]) if bias else ()
+    (tangent,) = attention_tangent_p.bind(q, k, v, q_pos, k_pos, out, dq, dk, dv, *extra,
+                                          scale=scale, causal=causal, block=block)
+    return out, tangent
 
 
 ad.primitive_jvps[attention_p] = _attention_jvp
@@ -512,7 +588,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, seq: str | int,
         k, v, k_pos, scores_bias = _gather_keys(k, v, k_pos, scores_bias, gathered)
         keys = k.shape[-2]
     if sharded:
-        q = _summed_over_vocab_shards(q, sharded)
+        q = replicated_over(q, sharded)
 
     batch = math.prod(k.shape[:-2])
     queries = math.prod(token_shape[batch_ndim:])

@@ -184,7 +184,7 @@ def cotangent_rows(o, lse, g_o, g_lse, dtype):
     return g_o.astype(dtype), jnp.where(jnp.isfinite(lse), lse, jnp.inf), row_term
 
 
-def _backward(q, k, v, q_pos, k_pos, bias, out, g, *, scale, causal, block):
+def backward(q, k, v, q_pos, k_pos, bias, out, g, *, scale, causal, block):
     """(dq, dk, dv, dbias) for the cotangent ``g`` [B, Tq, E + 1] of ``out``,
     in the dtypes of q, k, v."""
     rows = cotangent_rows(out[..., :-1], out[..., -1], g[..., :-1], g[..., -1], v.dtype)
@@ -194,7 +194,7 @@ def _backward(q, k, v, q_pos, k_pos, bias, out, g, *, scale, causal, block):
 
 def _backward_rows(q, k, v, q_pos, k_pos, bias, g_o, lse, row_term, *, scale, causal, block,
                    into=None):
-    """``_backward`` from ``cotangent_rows``; with ``into`` (float32 dq, dk,
+    """``backward`` from ``cotangent_rows``; with ``into`` (float32 dq, dk,
     dv) the gradients are added to those, in float32.
 
     FlashAttention-2's order: the outer loop over key blocks holds one block's
@@ -309,7 +309,7 @@ def differentiable(forward_fn):
     def bwd(config, residuals, g):
         q, k, v, q_pos, k_pos, bias, out = residuals
         scale, causal, block = config
-        dq, dk, dv, dbias = _backward(q, k, v, q_pos, k_pos, bias, out, g, scale=scale,
+        dq, dk, dv, dbias = backward(q, k, v, q_pos, k_pos, bias, out, g, scale=scale,
                                       causal=causal, block=block)
         return dq, dk, dv, None, None, dbias
 
