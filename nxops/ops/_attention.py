@@ -178,6 +178,8 @@ def _tangent_impl(q, k, v, q_pos, k_pos, out, dq, dk, dv, *bias, scale, causal, 
 
 
 attention_tangent_p = local_primitive("nx_attention_tangent", _tangent_impl)
+# The tangent has the output rows' type: no need to trace the pass to know it.
+attention_tangent_p.def_abstract_eval(lambda *avals, **params: [avals[5]])
 _TANGENT_KEY_SIDE = (1, 2, 4, 7, 8)      # k, v, k_pos, dk, dv
 _TANGENT_QUERY_SIDE = (0, 3, 5, 6)       # q, q_pos, the output rows, dq
 
