@@ -28,7 +28,7 @@ import nxops as nx
 
 SEED = 20261129
 CASES = 12
-COUNTS: collections.Counter = collections.Counter()
+COUNTS: collections.Counter = collections.Counter()   # cases checked, by placement
 
 # (name, axis_resources, the mesh axes the sequence is split over)
 PLACEMENTS = [
@@ -73,7 +73,8 @@ def draw_cases(seed: int = SEED, count: int = CASES) -> list[Case]:
             placement=name, causal=bool(rng.integers(2)),
             bias=name not in RING and bool(rng.integers(2)),
             group=int(rng.choice([1, 2])), tokens=int(rng.choice([8, 12, 16])),
-            block=int(rng.choice([3, 5, 16])), grad=str(rng.choice(["outside", "inside"])) if name not in OUTSIDE_ONLY else "outside",
+            block=int(rng.choice([3, 5, 16])),
+            grad="outside" if name in OUTSIDE_ONLY else str(rng.choice(["outside", "inside"])),
             seed=int(rng.integers(2**16))))
     return cases
 
