@@ -36,7 +36,8 @@ from typing import Any, Callable, Iterator
 
 import jax
 
-__all__ = ["Collective", "collectives", "collective_traffic", "format_table"]
+__all__ = ["Collective", "collectives", "collective_traffic", "executions", "format_table",
+           "bytes_per_device"]
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
@@ -209,7 +210,8 @@ def _nbytes(dtype: str, dims: tuple[int, ...]) -> int:
 def _group_size(attributes: str, num_devices: int | None) -> int:
     """Devices per group of one collective, from any of XLA's printed forms:
     explicit ``{{0,1},{2,3}}``, iota ``[2,4]<=[8]``, mesh axes (``jax_use_rgv3``,
-    the default from JAX 0.11: ``mesh['x'=4,'y'=2] {'y'}``), permute pairs, or
+    the default from JAX 0.11: ``mesh['x'=4,'y'=2] {'y'}``, optionally with
+    ``device_ids=(...)`` before the axes), permute pairs, or
     ``{}`` (every device). Anything else is an error, never a guess."""
     explicit = re.search(r"replica_groups=\{(\{[\d,\s]*\}(?:\s*,\s*\{[\d,\s]*\})*)\}", attributes)
     if explicit:
@@ -218,7 +220,8 @@ def _group_size(attributes: str, num_devices: int | None) -> int:
     iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[", attributes)
     if iota:
         return int(iota.group(2))
-    over_mesh_axes = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attributes)
+    over_mesh_axes = re.search(r"replica_groups=mesh\[([^\]]*)\]"
+                               r"(?:,\s*device_ids=[^{]*)?\s*\{([^}]*)\}", attributes)
     if over_mesh_axes:
         return _mesh_axes_group_size(over_mesh_axes)
     pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", attributes)
@@ -304,6 +307,89 @@ def collectives(program: Any, *, num_devices: int | None = None) -> list[Collect
             continue  # also skips the -done halves of async pairs
         found.append(_collective(inst, kind, types, num_devices))
     return found
+
+
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+def executions(program: Any) -> dict[str, int]:
+    """How many times each computation of ``program`` (as ``collectives``
+    takes it) runs per call of its entry computation: a while loop's body
+    runs its known trip count times (XLA's ``known_trip_count``) per run of
+    the computation holding the loop; every other called computation (both
+    branches of a conditional, fusions, reductions) once per run of its
+    caller. A body whose trip count XLA does not know counts as ``-1``:
+    unknown, and so is everything it calls.
+
+    Examples:
+        >>> def body(v):     # a loop of 3 steps: its body runs 3 times, its condition 4
+        ...     return jax.lax.fori_loop(0, 3, lambda i, v: nx.ppermute(v, 'i', [(0, 1), (1, 0)]), v)
+        >>> f = nx.xmap(body, ['i', ...], ['i', ...], axis_resources={'i': 'x'})
+        >>> with jax.set_mesh(jax.make_mesh((2,), ('x',))):      # needs 2 devices
+        ...     compiled = jax.jit(f).lower(jnp.ones((2, 256))).compile()
+        >>> runs = nx.hlo.executions(compiled)
+        >>> print(sorted({n for n in runs.values() if n > 1}))
+        [3, 4]
+    """
+    text = _hlo_text(program)
+    entry = re.search(r"^ENTRY\s+%?([\w.\-]+)", text, re.MULTILINE)
+    if entry is None:
+        raise ValueError("no ENTRY computation in this HLO text")
+    calls: dict[str, list[tuple[str, int]]] = {}
+    for inst in _instructions(text):
+        for called in _called_computations(inst):
+            calls.setdefault(inst.computation, []).append(called)
+    counts: dict[str, int] = {}
+
+    def visit(name: str, times: int):
+        counts[name] = -1 if times < 0 or counts.get(name, 0) < 0 else counts.get(name, 0) + times
+        for callee, factor in calls.get(name, ()):
+            visit(callee, -1 if times < 0 or factor < 0 else times * factor)
+    visit(entry.group(1), 1)
+    return counts
+
+
+def _called_computations(inst: _Instruction) -> list[tuple[str, int]]:
+    """(computation, runs per run of ``inst``) for each computation it calls."""
+    out = []
+    trip = _TRIP_COUNT.search(inst.attributes)
+    for attribute, names in re.findall(r"\b(calls|to_apply|condition|body|branch_computations)="
+                                       r"(\{[^}]*\}|%?[\w.\-]+)", inst.attributes):
+        for name in re.findall(r"%?([\w.\-]+)", names):
+            if attribute == "body":
+                out.append((name, int(trip.group(1)) if trip else -1))
+            elif attribute == "condition":
+                out.append((name, int(trip.group(1)) + 1 if trip else -1))
+            else:
+                out.append((name, 1))
+    return out
+
+
+def bytes_per_device(program: Any, *, num_devices: int | None = None) -> float:
+    """What each device sends in one run of ``program``: every collective's
+    ``bytes_per_device`` times the runs of the computation that holds it
+    (``executions``: a collective in a loop counts once per iteration).
+    Raises ``ValueError`` for a collective in a loop of unknown trip count.
+
+    Examples:
+        >>> def body(v):     # a ring: each device passes its block 3 times
+        ...     return jax.lax.fori_loop(0, 3, lambda i, v: nx.ppermute(v, 'i', [(0, 1), (1, 0)]), v)
+        >>> f = nx.xmap(body, ['i', ...], ['i', ...], axis_resources={'i': 'x'})
+        >>> with jax.set_mesh(jax.make_mesh((2,), ('x',))):      # needs 2 devices
+        ...     compiled = jax.jit(f).lower(jnp.ones((2, 256))).compile()
+        >>> print(nx.hlo.bytes_per_device(compiled))
+        3072.0
+    """
+    text = _hlo_text(program)
+    runs = executions(text)
+    total = 0.0
+    for c in collectives(text, num_devices=num_devices):
+        times = runs.get(c.computation, 0)
+        if times < 0:
+            raise ValueError(f"collective {c.name} runs in a loop whose trip count XLA does not "
+                             f"know (computation {c.computation})")
+        total += times * c.bytes_per_device
+    return total
 
 
 def _operand_arrays(operand: str, types: dict[str, str]) -> list[tuple[str, tuple[int, ...]]]:

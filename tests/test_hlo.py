@@ -199,3 +199,45 @@ def test_unreadable_replica_groups_raise_instead_of_guessing(groups):
     text = RGV3_HLO.replace("mesh['x'=4,'y'=2] {'y'}", groups)
     with pytest.raises(ValueError, match="cannot read the replica groups"):
         hlo.collectives(text)
+
+
+def test_replica_groups_by_mesh_axes_with_device_ids():
+    """A device order after the mesh (XLA prints it for a transposed mesh)."""
+    text = RGV3_HLO.replace("mesh['x'=4,'y'=2] {'y'}",
+                            "mesh['x'=4,'y'=2], device_ids=([2,4]T(1,0)) {'y'}")
+    assert hlo.collectives(text)[0].group_size == 2
+
+
+LOOP_HLO = """HloModule loops, num_partitions=2
+
+%body (p: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %p = (s32[], f32[4]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[4]{0} get-tuple-element(%p), index=1
+  %moved = f32[4]{0} collective-permute(%x), channel_id=1, source_target_pairs={{0,1},{1,0}}
+  ROOT %t = (s32[], f32[4]{0}) tuple(%i, %moved)
+}
+
+%cond (p.1: (s32[], f32[4])) -> pred[] {
+  %p.1 = (s32[], f32[4]{0}) parameter(0)
+  %i.1 = s32[] get-tuple-element(%p.1), index=0
+  %three = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i.1, %three), direction=LT
+}
+
+ENTRY %main (a: f32[4]) -> (s32[], f32[4]) {
+  %a = f32[4]{0} parameter(0)
+  %zero = s32[] constant(0)
+  %once = f32[4]{0} collective-permute(%a), channel_id=2, source_target_pairs={{0,1},{1,0}}
+  %init = (s32[], f32[4]{0}) tuple(%zero, %once)
+  ROOT %loop = (s32[], f32[4]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+}
+"""
+
+
+def test_bytes_per_device_counts_each_loop_iteration():
+    assert hlo.executions(LOOP_HLO) == {"main": 1, "body": 3, "cond": 4}
+    assert hlo.bytes_per_device(LOOP_HLO) == 16 + 3 * 16
+    unknown = LOOP_HLO.replace(', backend_config={"known_trip_count":{"n":"3"}}', "")
+    with pytest.raises(ValueError, match="trip count XLA does not know"):
+        hlo.bytes_per_device(unknown)

@@ -31,9 +31,9 @@ from nxops.ops import _axis_env, _collectives, _sum_then_tile
 from nxops.ops._axis_env import mesh_platform
 from nxops.ops._named_layout import along_vmap_names
 from nxops.ops._positions import axis_index
-from nxops.ops._cross_entropy import (_check_axis_argument, _positional_dim, _resolve_name,
-                                      _summed_over_vocab_shards)
+from nxops.ops._cross_entropy import _check_axis_argument, _positional_dim, _resolve_name
 from nxops.ops._primitive import kernel_primitive, local_primitive, match_varying, selection_param
+from nxops.ops._replicated import replicated_over
 
 OP = "nx.attention"
 
@@ -127,24 +127,131 @@ def _partial_gradients_batcher(vals_in, dims_in, **params):
 batching.primitive_batchers[partial_gradients_p] = _partial_gradients_batcher
 
 
+attention_step_p = local_primitive("nx_attention_step", lambda *operands, **params: (
+    xla_attention.continued(*operands, **params),))
+# Operands q, k, v, q_pos, k_pos (as attention_p's) and the float32 rows
+# [B, Tq, E + 1] (output and logsumexp) of the queries over other keys; its
+# result: those rows over these keys too. Parameters: scale, causal, block.
+
+
+def _attention_step(q, k, v, k_pos, q_pos, rows, params):
+    return attention_step_p.bind(q, k, v, q_pos, k_pos, rows, **params)[0]
+
+
+def _attention_step_batcher(vals_in, dims_in, **params):
+    """As partial_gradients_p's: a name the keys do not vary along makes more
+    query rows of one pass, the others batch members."""
+    size = next(x.shape[d] for x, d in zip(vals_in, dims_in) if d is not None)
+    if all(dims_in[i] is None for i in (1, 2, 4)):
+        operands = list(vals_in)
+        for i in (0, 3, 5):
+            operands[i] = _into_rows(vals_in[i], dims_in[i], size)
+        (rows,) = attention_step_p.bind(*operands, **params)
+        return (rows.reshape(rows.shape[0], size, rows.shape[1] // size, rows.shape[2]),), (1,)
+    (rows,) = attention_step_p.bind(*(_into_batch(x, d, size) for x, d in zip(vals_in, dims_in)),
+                                    **params)
+    return (rows.reshape(size, rows.shape[0] // size, *rows.shape[1:]),), (0,)
+
+
+batching.primitive_batchers[attention_step_p] = _attention_step_batcher
+
+
 # --- differentiation: the registry's forward, the reference's backward --------
 
 
-def _attention_jvp(primals, tangents, *, scale, causal, block, kernels):
-    q, k, v, q_pos, k_pos, *rest = primals
+# The JVP of attention_p is its forward plus attention_tangent_p, a primitive
+# linear in the tangents dq, dk, dv (and dbias): evaluated, it is forward mode
+# (jax.jvp, jacfwd), a blockwise pass with the forward's own derivative;
+# transposed, it is the backward (jax.grad, jacrev), FlashAttention-2's from
+# the saved output and logsumexp. Operands: q, k, v, q_pos, k_pos, the output
+# rows [B, Tq, E + 1], dq, dk, dv, and with a bias: bias, dbias.
+
+
+def _tangent_impl(q, k, v, q_pos, k_pos, out, dq, dk, dv, *bias, scale, causal, block):
+    del out   # the transpose's: forward mode recomputes by blocks
     config = (scale, causal, block)
 
-    def forward(q, k, v, q_pos, k_pos, bias, config):
-        return _bind(q, k, v, q_pos, k_pos, bias, scale=config[0], causal=config[1],
-                     block=config[2], kernels=kernels)
-    fused = xla_attention.differentiable(forward)
-    diff = (0, 1, 2) + ((5,) if rest else ())
-    primal_in = [primals[i] for i in diff]
-    tangent_in = [ad.instantiate_zeros(tangents[i]) for i in diff]
+    def forward(q, k, v, *b):
+        return xla_attention.forward(q, k, v, q_pos, k_pos, b[0] if b else None, config)
+    primals, tangents = (q, k, v, *bias[:1]), (dq, dk, dv, *bias[1:])
+    return (jax.jvp(forward, primals, tangents)[1],)
 
-    def of_differentiable(q, k, v, *bias):
-        return fused(q, k, v, q_pos, k_pos, bias[0] if bias else None, config)
-    return jax.jvp(of_differentiable, primal_in, tangent_in)
+
+attention_tangent_p = local_primitive("nx_attention_tangent", _tangent_impl)
+# The tangent has the output rows' type: no need to trace the pass to know it.
+attention_tangent_p.def_abstract_eval(lambda *avals, **params: [avals[5]])
+_TANGENT_KEY_SIDE = (1, 2, 4, 7, 8)      # k, v, k_pos, dk, dv
+_TANGENT_QUERY_SIDE = (0, 3, 5, 6)       # q, q_pos, the output rows, dq
+
+
+def _tangent_transpose(cts, *operands, scale, causal, block):
+    (ct,) = cts
+    q, k, v, q_pos, k_pos, out = operands[:6]
+    bias = operands[9] if len(operands) > 9 else None
+    linear = (6, 7, 8) + ((10,) if bias is not None else ())
+    if type(ct) is ad.Zero or not any(ad.is_undefined_primal(operands[i]) for i in linear):
+        return [None] * len(operands)
+    dq, dk, dv, dbias = xla_attention.backward(q, k, v, q_pos, k_pos, bias, out, ct,
+                                               scale=scale, causal=causal, block=block)
+    grads = dict(zip(linear, (dq, dk, dv, dbias)))
+    return [grads[i] if i in grads and ad.is_undefined_primal(operands[i]) else None
+            for i in range(len(operands))]
+
+
+ad.primitive_transposes[attention_tangent_p] = _tangent_transpose
+
+
+def _tangent_jvp(primals, tangents, **params):
+    """Forward mode of forward mode (jacfwd of jacfwd): the blockwise pass's own JVP."""
+    differentiable = tuple(i for i in range(len(primals)) if i not in (3, 4, 5))
+
+    def impl(*xs):
+        args = list(primals)
+        for i, x in zip(differentiable, xs):
+            args[i] = x
+        return _tangent_impl(*args, **params)
+    return jax.jvp(impl, [primals[i] for i in differentiable],
+                   [ad.instantiate_zeros(tangents[i]) for i in differentiable])
+
+
+ad.primitive_jvps[attention_tangent_p] = _tangent_jvp
+
+
+def _tangent_batcher(vals_in, dims_in, **params):
+    """As attention_p's: names the keys (and their tangents) do not vary
+    along make more query rows of one pass, the others batch members."""
+    size = next(x.shape[d] for x, d in zip(vals_in, dims_in) if d is not None)
+    operands, bias_rows = list(vals_in), (9, 10)[:len(vals_in) - 9]
+    if all(dims_in[i] is None for i in _TANGENT_KEY_SIDE):
+        for i in _TANGENT_QUERY_SIDE + bias_rows:
+            operands[i] = _into_rows(vals_in[i], dims_in[i], size)
+        (t,) = attention_tangent_p.bind(*operands, **params)
+        return (t.reshape(t.shape[0], size, t.shape[1] // size, t.shape[-1]),), (1,)
+    # A bias (and its tangent) shared by the batch stays [1, ...], as attention_p's.
+    shared = bias_rows and all(dims_in[i] is None and vals_in[i].shape[0] == 1
+                               for i in bias_rows)
+    for i, (x, d) in enumerate(zip(vals_in, dims_in)):
+        if not (shared and i in bias_rows):
+            operands[i] = _into_batch(x, d, size)
+    (t,) = attention_tangent_p.bind(*operands, **params)
+    return (t.reshape(size, t.shape[0] // size, *t.shape[1:]),), (0,)
+
+
+batching.primitive_batchers[attention_tangent_p] = _tangent_batcher
+
+
+def _attention_jvp(primals, tangents, *, scale, causal, block, kernels):
+    q, k, v, q_pos, k_pos, *bias = primals
+    out = _bind(q, k, v, q_pos, k_pos, bias[0] if bias else None, scale=scale, causal=causal,
+                block=block, kernels=kernels)
+    diff = (0, 1, 2) + ((5,) if bias else ())
+    if all(type(tangents[i]) is ad.Zero for i in diff):
+        return out, ad.Zero.from_primal_value(out)
+    dq, dk, dv, *dbias = (ad.instantiate_zeros(tangents[i]) for i in diff)
+    extra = (bias[0], dbias[0]) if bias else ()
+    (tangent,) = attention_tangent_p.bind(q, k, v, q_pos, k_pos, out, dq, dk, dv, *extra,
+                                          scale=scale, causal=causal, block=block)
+    return out, tangent
 
 
 ad.primitive_jvps[attention_p] = _attention_jvp
@@ -301,9 +408,9 @@ def _ring_block(block, keys, e):
 def _ring(operands, names, params, out_dtype):
     """(output in ``out_dtype``, float32 logsumexp) of the local queries
     against every key shard of mesh axes ``names``: the key, value and
-    position shards pass around the ring (n - 1 ``ppermute``s each), one
-    local pass per shard, merged by their logsumexps (a scan: one pass's
-    temporaries live at a time).
+    position shards pass around the ring (n - 1 ``ppermute``s each), and each
+    shard continues the queries' online softmax in one buffer of output rows
+    (a scan: one pass's temporaries live at a time).
 
     Its VJP keeps only the local shards, the output and the last shard the
     forward saw: the backward passes the key shards around the ring again,
@@ -311,33 +418,31 @@ def _ring(operands, names, params, out_dtype):
     backward per shard against the whole softmax's logsumexp), so that no
     device ever holds more than two shards of the keys."""
     count = math.prod(_axis_env.physical_axis_size(n) for n in names)
-    k, v = operands[1:3]
+    q, k, v = operands[:3]
     params = dict(params, block=_ring_block(params["block"], k.shape[1], v.shape[2]))
     if count == 1:
         out = _bind(*operands, None, **params)
         return out[..., :-1].astype(out_dtype), out[..., -1]
     forward_ring = [(i, (i + 1) % count) for i in range(count)]
     backward_ring = [((i + 1) % count, i) for i in range(count)]
-    grad_params = {name: params[name] for name in ("scale", "causal", "block")}
+    step_params = {name: params[name] for name in ("scale", "causal", "block")}
 
     def rotate(xs, ring):
-        return tuple(_ppermute_bits(x, names, ring) for x in xs)
+        return tuple(lax.ppermute(x, names, ring) for x in xs)
 
     def forward(q, k, v, q_pos, k_pos):
         """(o, lse), and the last key shard (k, v, positions) the device saw."""
-        def attend(o, lse, k, v, k_pos):
-            out = _bind(q, k, v, q_pos, k_pos, None, **params)
-            return _merged(o, lse, out[..., :-1], out[..., -1])
-
         def step(carry, _):
-            o, lse, *shard = carry
-            return (*attend(o, lse, *shard), *rotate(shard, forward_ring)), None
+            rows, *shard = carry
+            return (_attention_step(q, *shard, q_pos, rows, step_params),
+                    *rotate(shard, forward_ring)), None
 
-        o = jnp.zeros((*q.shape[:-1], v.shape[-1]), jnp.float32)
-        lse = jnp.full(q.shape[:-1], -jnp.inf, jnp.float32)
-        (o, lse, *last), _ = lax.scan(step, (o, lse, k, v, k_pos), length=count - 1)
-        o, lse = attend(o, lse, *last)
-        return (o.astype(out_dtype), lse), tuple(last)
+        rows = jnp.concatenate([jnp.zeros((*q.shape[:-1], v.shape[-1]), jnp.float32),
+                                jnp.full((*q.shape[:-1], 1), -jnp.inf, jnp.float32)], -1)
+        (rows, *last), _ = lax.scan(step, (rows, _as_bits(k), _as_bits(v), k_pos),
+                                    length=count - 1)
+        rows = _attention_step(q, *last, q_pos, rows, step_params)
+        return (rows[..., :-1].astype(out_dtype), rows[..., -1]), tuple(last)
 
     @jax.custom_vjp
     def ring(q, k, v, q_pos, k_pos):
@@ -354,7 +459,7 @@ def _ring(operands, names, params, out_dtype):
         def share(shard, accumulators):
             k, v, k_pos = shard
             return _partial_gradients(q, k, v, q_pos, k_pos, *rows, *accumulators,
-                                      **grad_params)
+                                      **step_params)
 
         def step(carry, _):
             # The shard of the next device back arrives with its accumulators.
@@ -366,25 +471,25 @@ def _ring(operands, names, params, out_dtype):
         # The forward's shards in reverse: the last one first; n - 2 arrive
         # around the ring; the local one is the residual; the accumulators
         # travel n - 1 times and end where their shard lives.
-        zeros = tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, *last[:2]))
+        zeros = tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
         carry = (*share(last, zeros), *last)
         (dq, dk, dv, *_), _ = lax.scan(step, carry, length=count - 2)
         dk, dv = rotate((dk, dv), backward_ring)
-        dq, dk, dv = share((k, v, k_pos), (dq, dk, dv))
+        dq, dk, dv = share((_as_bits(k), _as_bits(v), k_pos), (dq, dk, dv))
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
     ring.defvjp(ring_fwd, ring_bwd)
     return ring(*operands)
 
 
-def _ppermute_bits(x, names, ring):
-    """``lax.ppermute`` of ``x``'s bits: XLA:CPU's collectives widen 16-bit
+def _as_bits(x):
+    """``x`` as it travels around a ring: XLA:CPU's collectives widen 16-bit
     floats to float32 (twice the bytes, and a float32 copy of each shard in
-    flight); the same bits as uint16 pass as they are on every platform."""
+    flight); the same bits as unsigned ints pass as they are on every
+    platform. The kernels take a shard's bits in place of its values."""
     if x.dtype.itemsize != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
-        return lax.ppermute(x, names, ring)
-    moved = lax.ppermute(lax.bitcast_convert_type(x, jnp.uint16), names, ring)
-    return lax.bitcast_convert_type(moved, x.dtype)
+        return x
+    return lax.bitcast_convert_type(x, jnp.uint16)
 
 
 def _merged(o, lse, o_new, lse_new):
@@ -485,7 +590,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, seq: str | int,
         k, v, k_pos, scores_bias = _gather_keys(k, v, k_pos, scores_bias, gathered)
         keys = k.shape[-2]
     if sharded:
-        q = _summed_over_vocab_shards(q, sharded)
+        q = replicated_over(q, sharded)
 
     batch = math.prod(k.shape[:-2])
     queries = math.prod(token_shape[batch_ndim:])

@@ -83,7 +83,7 @@ def operands(shape_q, shape_k, e, dtype, seed):
     return tuple(jnp.asarray(x, dtype) for x in (q, k, v)), rng
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(batch=st.sampled_from([1, 2]), kv_heads=st.sampled_from([1, 2]), group=st.sampled_from([1, 3]),
        tq=st.sampled_from([1, 5, 13]), tk=st.sampled_from([1, 7, 13]), d=st.sampled_from([1, 4]),
        e=st.sampled_from([2, 3]), block=st.sampled_from([None, 1, 3, 4, 16]),
@@ -148,15 +148,15 @@ B, KVH, G, T, D, E = 2, 2, 2, 16, 4, 3      # T: over 2, 4, 8 devices and 4 loop
 Q_AXES = ["b", "kvh", "g", "qs", None]
 KV_AXES = ["b", "kvh", "s", None]
 IN_AXES = [Q_AXES, KV_AXES, KV_AXES, ["qs", "s"]]
+# The oracle (tests/oracle/test_oracle_attention.py) draws the keys on one
+# mesh axis, a loop over queries with keys on a mesh axis, and batch or heads
+# beside them; these are the placements it does not draw.
 PLACEMENTS = {
     "none": {},
-    "keys on y": {"s": "y"},
     "keys on x,y": {"s": ("x", "y")},
     "queries and keys on y": {"qs": "y", "s": "y"},
     "queries on x, keys on y": {"qs": "x", "s": "y"},
-    "queries loop, keys y": {"qs": nx.SerialLoop(4), "s": "y"},
     "queries loop and x": {"qs": ("x", nx.SerialLoop(2))},
-    "batch x, keys y": {"b": "x", "s": "y"},
     "heads x, queries y": {"kvh": "x", "qs": "y"},
     "groups x, keys y": {"g": "x", "s": "y"},
 }
@@ -265,59 +265,37 @@ def test_keys_on_mesh_hlo_combines_with_one_pmax_one_psum():
     assert all(np.prod(s) <= per_query * (E + 1) for c in found for s in c.result_shapes), found
 
 
-def ring_permutes(step):
-    """(elements each device passes in ppermutes, counting a scan's length,
-    the other collectives' names) in the jaxpr of ``step``, the queries and
-    keys on the 4 devices of mesh axis y."""
-    mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
-    args, _, _ = named_operands()
-    with jax.set_mesh(mesh):
-        jaxpr = jax.make_jaxpr(step)(*args[:3]).jaxpr
-    moved, others = 0, set()
-
-    def walk(jaxpr, times):
-        nonlocal moved
-        for eqn in jaxpr.eqns:
-            name = eqn.primitive.name
-            if name == "ppermute":
-                moved += times * sum(math.prod(v.aval.shape) for v in eqn.outvars)
-            elif name in ("all_gather", "psum", "pmax", "all_to_all", "reduce_scatter",
-                          "psum_invariant"):
-                others.add(name)
-            inner_times = times * eqn.params.get("length", 1) if name == "scan" else times
-            for param in eqn.params.values():
-                for sub in param if isinstance(param, (tuple, list)) else (param,):
-                    sub = getattr(sub, "jaxpr", sub)
-                    if hasattr(sub, "eqns"):
-                        walk(sub, inner_times)
-    walk(jaxpr, 1)
-    return moved, others
-
-
-def test_ring_passes_each_key_and_value_shard_n_minus_1_times():
-    """Queries and keys on the same 4 devices: the forward's only collectives
-    are the ring's ppermutes, each device passing its key, value and position
-    shards 3 times. The backward, which keeps no shard but the local one and
-    the last one the forward saw, passes the shards between those two around
-    the reverse ring (2 times) and each shard's dk, dv accumulators from the
-    device that saw it last back home (3 times)."""
+def test_ring_collective_bytes_are_the_ring_bound():
+    """Queries and keys on the 4 devices of mesh axis y, bf16: read back from
+    the compiled program (each collective times its loop's trip count), each
+    device sends exactly the ring bound and nothing else. Forward: its key,
+    value (as their 16-bit bits) and int32 key-position shards, n - 1 times.
+    Backward, which keeps no shard but the local one and the last one the
+    forward saw: the shards between those two again (n - 2 times), and each
+    shard's float32 dk, dv accumulators from the device that saw it last
+    back home (n - 1 times)."""
     n = 4
     ring = xmapped({"qs": "y", "s": "y"}, bias=False)
-    keys_per_shard = T // n
-    per_key = B * KVH * (D + E)      # key and value elements per key position
-    moved, others = ring_permutes(ring)
-    assert not others, others
-    shard = (n - 1) * keys_per_shard
-    assert shard * per_key <= moved <= shard * (per_key + 1), moved
+    mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
+    # Placed as the xmap places them (the sequences over y): no resharding.
+    args = tuple(jax.device_put(x.astype(jnp.bfloat16), jax.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(*[None] * (x.ndim - 2), "y")))
+        for x in named_operands()[0][:3])
+    keys = T // n                                   # key positions per device
+    shard = keys * (B * KVH * (D + E) * 2 + 4)      # k, v (bf16) and positions (int32)
+    accumulators = keys * B * KVH * (D + E) * 4     # dk, dv (float32)
 
     def values_and_grads(q, k, v):   # no loss to all-reduce: the cotangents are ones
         out, pullback = jax.vjp(ring, q, k, v)
         return out, pullback(jax.tree.map(jnp.ones_like, out))
-    moved_with_grads, _ = ring_permutes(values_and_grads)
-    backward = moved_with_grads - moved
-    shards_again, accumulators = (n - 2) * keys_per_shard, (n - 1) * keys_per_shard
-    low = (shards_again + accumulators) * per_key
-    assert low <= backward <= low + shards_again, (moved, moved_with_grads)
+    with jax.set_mesh(mesh):
+        forward = jax.jit(ring).lower(*args).compile()
+        both = jax.jit(values_and_grads).lower(*args).compile()
+    for program in (forward, both):
+        kinds = {c.kind for c in nx.hlo.collectives(program)}
+        assert kinds == {"collective-permute"}, kinds
+    assert nx.hlo.bytes_per_device(forward) == (n - 1) * shard
+    assert nx.hlo.bytes_per_device(both) == (2 * n - 3) * shard + (n - 1) * accumulators
 
 
 def test_ring_bf16_matches_one_device():
@@ -345,8 +323,11 @@ def test_ring_bf16_matches_one_device():
 def test_ring_holds_a_fraction_of_one_device_program():
     """Batch 1, 16 heads, 8192 tokens, head dim 128, bf16, causal, queries and
     keys over 8 CPU devices: each device's temp of jit(value_and_grad) is at
-    most 0.27 of the same xmap's on one device (0.250 measured; the scan
-    that JAX differentiated itself kept every shard and held 1.2x)."""
+    most 16.5 times one shard of q (bf16), and at most 0.26 of the same
+    xmap's on one device. Measured: 16.1 shards on JAX 0.10.2 and 0.12,
+    which is 0.1667 of one device on 0.10.2 (whose one-device program holds
+    float32 copies of q, k, v) and 0.249 on 0.12. The scan that JAX
+    differentiated itself kept every shard and held 1.2x."""
     shape = (1, 16, 8192, 128)
 
     def temp(devices, resources):
@@ -366,7 +347,8 @@ def test_ring_holds_a_fraction_of_one_device_program():
         return compiled.memory_analysis().temp_size_in_bytes
     one_device = temp(jax.devices()[:1], {})
     ring = temp(jax.devices()[:8], {"qs": "d", "s": "d"})
-    assert ring <= 0.27 * one_device, (ring, one_device)
+    shard = math.prod(shape) // 8 * 2
+    assert ring <= 16.5 * shard and ring <= 0.26 * one_device, (ring, one_device)
 
 
 LAYER_PLACEMENTS = {"none": {}, "batch x": {"b": "x"}, "sequence y": {"seq": "y"},
@@ -443,7 +425,7 @@ def test_plain_vmap_names_and_bf16_gqa():
     def per_head(q, k, v):   # q [T, D], k [T, D]
         return nx.attention(q, k, v, seq=0, q_seq=0, causal=True, block=5)
     per_group = jax.vmap(per_head, in_axes=(1, None, None), out_axes=1, axis_name="g")
-    got = jax.vmap(per_group, in_axes=(1, 1, 1), out_axes=1, axis_name="kvh")(q, k, v)
+    got = jax.jit(jax.vmap(per_group, in_axes=(1, 1, 1), out_axes=1, axis_name="kvh"))(q, k, v)
     want = materialized(jnp.transpose(q, (1, 2, 0, 3)), jnp.swapaxes(k, 0, 1),
                         jnp.swapaxes(v, 0, 1), causal=True)[0]
     assert got.dtype == jnp.bfloat16
@@ -465,6 +447,36 @@ def test_compiled_value_and_grad_holds_no_scores():
     fused = temp(lambda q, k, v: nx.attention(q, k, v, seq=1, q_seq=1, causal=True, block=256))
     unfused = temp(lambda q, k, v: materialized(q[:, None], k, v, causal=True)[0])
     assert unfused > 2 * heads * tokens * tokens * 4 and fused < unfused / 15, (fused, unfused)
+
+
+def test_forward_mode_matches_materialized():
+    """jax.jvp and jax.jacfwd: the tangent is a blockwise pass of its own (its
+    transpose is the backward), positional with a bias, and under nx.xmap
+    with the keys on a mesh axis (causal, GQA, the pmax/psum combine)."""
+    (q, k, v), rng = operands((2, 3, 7, 4), (2, 9, 4), 3, jnp.float32, 11)
+    bias = jnp.asarray(rng.standard_normal((3, 7, 9)), jnp.float32)
+    primals = (q, k, v, bias)
+    tangents = tuple(jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for x in primals)
+
+    def fused(q, k, v, b):
+        return nx.attention(q, k, v, seq=1, bias=b, block=4, return_lse=True)
+    got = jax.jit(lambda p, t: jax.jvp(fused, p, t))(primals, tangents)
+    want = jax.jvp(lambda q, k, v, b: materialized(q, k, v, b), primals, tangents)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert_close(g, r, scale=4)
+    # jacfwd in k: the keys' tangents vary along the basis (batch members, not rows).
+    got_k = jax.jacfwd(lambda k: fused(q, k, v, bias)[0])(k)
+    assert_close(got_k, jax.jacfwd(lambda k: materialized(q, k, v, bias)[0])(k), scale=4)
+
+    mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
+    args, _, _ = named_operands()
+    named_tangents = tuple(jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for x in args)
+    with jax.set_mesh(mesh):
+        got = jax.jit(lambda p, t: jax.jvp(xmapped({"s": "y"}), p, t))(args, named_tangents)
+    want = jax.jvp(lambda q, k, v, b: materialized(q, k, v, b, causal=True), args,
+                   named_tangents)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert_close(g, r, scale=4)
 
 
 # --- errors ---------------------------------------------------------------------------

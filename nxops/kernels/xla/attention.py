@@ -61,6 +61,15 @@ class _Blocks:
     def take(self, x, step, axis: int = 1):
         return lax.dynamic_slice_in_dim(x, self.start(step), self.size, axis=axis)
 
+    def operand(self, x, step, dtype):
+        """``take`` for a dot's operand in ``dtype``; ``x`` may hold its bits
+        (a ring's shards travel as unsigned ints of the same width). XLA:CPU
+        widens 16-bit dot operands to float32 and moves the widening out of
+        the loop, onto the whole array where it can (an f32 copy of the
+        operand, live throughout); from the bits it stays on the block."""
+        block = self.take(x, step)
+        return block if block.dtype == dtype else lax.bitcast_convert_type(block, dtype)
+
 
 def _scores(q_blk, k_blk, q_pos, k_pos, bias_blk, *, scale: float, causal: bool):
     """[B, bq, bk] f32: scaled scores plus bias, -inf where causally masked."""
@@ -84,13 +93,27 @@ def _finite_or_zero(x):
     return jnp.where(jnp.isfinite(x), x, 0.0)
 
 
-def _forward(q, k, v, q_pos, k_pos, bias, *, scale, causal, block):
+def _forward(q, k, v, q_pos, k_pos, bias, *, scale, causal, block, into=None):
+    """[B, Tq, E + 1]; with ``into`` (such rows from other keys: output and
+    logsumexp) the online softmax continues from those rows, and the result,
+    over both sets of keys, is written over them (no second buffer)."""
     batch, tq, _ = q.shape
     tk, e = v.shape[1], v.shape[2]
     qb, kb = _Blocks(tq, block_size(tq, block)), _Blocks(tk, block_size(tk, block))
 
+    def initial(i, out):
+        """(max, sum of exp, weighted sum) of a query block before these keys."""
+        if into is None:
+            return (jnp.full((batch, qb.size), -jnp.inf, jnp.float32),
+                    jnp.zeros((batch, qb.size), jnp.float32),
+                    jnp.zeros((batch, qb.size, e), jnp.float32))
+        rows = qb.take(out, i)
+        lse = rows[..., -1]
+        seen = jnp.isfinite(lse)
+        return lse, seen.astype(jnp.float32), jnp.where(seen[..., None], rows[..., :-1], 0.0)
+
     def query_block(i, out):
-        q_blk, qp = qb.take(q, i), qb.take(q_pos, i)
+        q_blk, qp = qb.operand(q, i, q.dtype), qb.take(q_pos, i)
         bias_rows = None if bias is None else qb.take(bias, i)
 
         def key_block(j, carry):
@@ -99,33 +122,55 @@ def _forward(q, k, v, q_pos, k_pos, bias, *, scale, causal, block):
             def compute(carry):
                 top, total, acc = carry
                 bias_blk = None if bias_rows is None else kb.take(bias_rows, j, axis=2)
-                s = _scores(q_blk, kb.take(k, j), qp, kp, bias_blk, scale=scale, causal=causal)
+                s = _scores(q_blk, kb.operand(k, j, q.dtype), qp, kp, bias_blk, scale=scale, causal=causal)
                 s = jnp.where(kb.new(j)[None, None, :], s, -jnp.inf)
                 new_top = jnp.maximum(top, jnp.max(s, axis=2))
                 shift = _finite_or_zero(new_top)
                 rescale = jnp.exp(top - shift)
                 p = jnp.exp(s - shift[..., None])
                 total = total * rescale + jnp.sum(p, axis=2)
-                pv = lax.dot_general(p.astype(v.dtype), kb.take(v, j),
+                pv = lax.dot_general(p.astype(q.dtype), kb.operand(v, j, q.dtype),
                                      (((2,), (1,)), ((0,), (0,))),
                                      preferred_element_type=jnp.float32)
                 return new_top, total, acc * rescale[..., None] + pv
 
             return lax.cond(_visible(qp, kp, causal), compute, lambda c: c, carry)
 
-        init = (jnp.full((batch, qb.size), -jnp.inf, jnp.float32),
-                jnp.zeros((batch, qb.size), jnp.float32),
-                jnp.zeros((batch, qb.size, e), jnp.float32))
-        top, total, acc = lax.fori_loop(0, kb.count, key_block, init)
+        top, total, acc = lax.fori_loop(0, kb.count, key_block, initial(i, out))
         seen = total > 0
         o = jnp.where(seen[..., None], acc / jnp.where(seen, total, 1.0)[..., None], 0.0)
         lse = jnp.where(seen, _finite_or_zero(top) + jnp.log(jnp.where(seen, total, 1.0)),
                         -jnp.inf)
         rows = jnp.concatenate([o, lse[..., None]], axis=2)
+        if into is not None:
+            # A last block that starts earlier continued rows the block
+            # before had already taken these keys into: keep those.
+            rows = jnp.where(qb.new(i)[None, :, None], rows, qb.take(out, i))
         return lax.dynamic_update_slice_in_dim(out, rows, qb.start(i), axis=1)
 
-    out = jnp.zeros((batch, tq, e + 1), jnp.float32)
+    out = jnp.zeros((batch, tq, e + 1), jnp.float32) if into is None else into
     return lax.fori_loop(0, qb.count, query_block, out)
+
+
+def continued(q, k, v, q_pos, k_pos, into, *, scale, causal, block):
+    """``into`` ([B, Tq, E + 1] f32: output and logsumexp of the queries over
+    other keys) updated to cover these keys too (ring attention's step)."""
+    if q.shape[1] == 0 or k.shape[1] == 0:
+        return into
+    q_pos, k_pos = q_pos.astype(jnp.int32), k_pos.astype(jnp.int32)
+    return _unless_hidden(
+        lambda into: _forward(q, k, v, q_pos, k_pos, None, scale=float(scale),
+                              causal=bool(causal), block=block, into=into),
+        into, q_pos, k_pos, causal)
+
+
+def _unless_hidden(update, accumulators, q_pos, k_pos, causal):
+    """``update(accumulators)``, or the accumulators as they are where the
+    causal mask hides every key from every query (a ring's shard of later
+    keys: one branch, not a loop over empty blocks)."""
+    if not causal:
+        return update(accumulators)
+    return lax.cond(_visible(q_pos, k_pos, True), update, lambda x: x, accumulators)
 
 
 def cotangent_rows(o, lse, g_o, g_lse, dtype):
@@ -139,7 +184,7 @@ def cotangent_rows(o, lse, g_o, g_lse, dtype):
     return g_o.astype(dtype), jnp.where(jnp.isfinite(lse), lse, jnp.inf), row_term
 
 
-def _backward(q, k, v, q_pos, k_pos, bias, out, g, *, scale, causal, block):
+def backward(q, k, v, q_pos, k_pos, bias, out, g, *, scale, causal, block):
     """(dq, dk, dv, dbias) for the cotangent ``g`` [B, Tq, E + 1] of ``out``,
     in the dtypes of q, k, v."""
     rows = cotangent_rows(out[..., :-1], out[..., -1], g[..., :-1], g[..., -1], v.dtype)
@@ -149,7 +194,7 @@ def _backward(q, k, v, q_pos, k_pos, bias, out, g, *, scale, causal, block):
 
 def _backward_rows(q, k, v, q_pos, k_pos, bias, g_o, lse, row_term, *, scale, causal, block,
                    into=None):
-    """``_backward`` from ``cotangent_rows``; with ``into`` (float32 dq, dk,
+    """``backward`` from ``cotangent_rows``; with ``into`` (float32 dq, dk,
     dv) the gradients are added to those, in float32.
 
     FlashAttention-2's order: the outer loop over key blocks holds one block's
@@ -160,7 +205,8 @@ def _backward_rows(q, k, v, q_pos, k_pos, bias, g_o, lse, row_term, *, scale, ca
 
     def key_block(j, carry):
         dk, dv, dq, dbias = carry
-        k_blk, v_blk, kp = kb.take(k, j), kb.take(v, j), kb.take(k_pos, j)
+        k_blk, v_blk = kb.operand(k, j, q.dtype), kb.operand(v, j, q.dtype)
+        kp = kb.take(k_pos, j)
         new_cols = kb.new(j)[None, None, :]
         bias_cols = None if bias is None else kb.take(bias, j, axis=2)
 
@@ -169,7 +215,7 @@ def _backward_rows(q, k, v, q_pos, k_pos, bias, g_o, lse, row_term, *, scale, ca
 
             def compute(inner):
                 dk_blk, dv_blk, dq, dbias = inner
-                q_blk, g_blk = qb.take(q, i), qb.take(g_o, i)
+                q_blk, g_blk = qb.operand(q, i, q.dtype), qb.operand(g_o, i, q.dtype)
                 bias_blk = None if bias_cols is None else qb.take(bias_cols, i)
                 s = _scores(q_blk, k_blk, qp, kp, bias_blk, scale=scale, causal=causal)
                 p = jnp.exp(s - qb.take(lse, i)[..., None])
@@ -185,7 +231,7 @@ def _backward_rows(q, k, v, q_pos, k_pos, bias, g_o, lse, row_term, *, scale, ca
                 # blocks, only the columns the block before did not take.
                 new_rows = qb.new(i)[None, :, None]
                 ds_rows = jnp.where(new_rows, ds, 0.0).astype(q.dtype)
-                p_rows = jnp.where(new_rows, p, 0.0).astype(v.dtype)
+                p_rows = jnp.where(new_rows, p, 0.0).astype(q.dtype)
                 dk_blk = dk_blk + lax.dot_general(ds_rows, q_blk, (((1,), (1,)), ((0,), (0,))),
                                                   preferred_element_type=jnp.float32)
                 dv_blk = dv_blk + lax.dot_general(p_rows, g_blk, (((1,), (1,)), ((0,), (0,))),
@@ -228,10 +274,13 @@ def partial_gradients(q, k, v, q_pos, k_pos, g_o, lse, row_term, dq, dk, dv, *, 
     attention's backward)."""
     if q.shape[1] == 0 or k.shape[1] == 0:
         return dq, dk, dv
-    dq, dk, dv, _ = _backward_rows(q, k, v, q_pos.astype(jnp.int32), k_pos.astype(jnp.int32),
-                                   None, g_o, lse, row_term, scale=float(scale),
-                                   causal=bool(causal), block=block, into=(dq, dk, dv))
-    return dq, dk, dv
+    q_pos, k_pos = q_pos.astype(jnp.int32), k_pos.astype(jnp.int32)
+
+    def update(accumulators):
+        return _backward_rows(q, k, v, q_pos, k_pos, None, g_o, lse, row_term,
+                              scale=float(scale), causal=bool(causal), block=block,
+                              into=accumulators)[:3]
+    return _unless_hidden(update, (dq, dk, dv), q_pos, k_pos, causal)
 
 
 def _add_rows(acc, rows, start):
@@ -260,7 +309,7 @@ def differentiable(forward_fn):
     def bwd(config, residuals, g):
         q, k, v, q_pos, k_pos, bias, out = residuals
         scale, causal, block = config
-        dq, dk, dv, dbias = _backward(q, k, v, q_pos, k_pos, bias, out, g, scale=scale,
+        dq, dk, dv, dbias = backward(q, k, v, q_pos, k_pos, bias, out, g, scale=scale,
                                       causal=causal, block=block)
         return dq, dk, dv, None, None, dbias
 
