@@ -24,14 +24,15 @@ print(*[m for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu") if u.fin
   [ "${CI:-}" != "true" ]   # in CI a failure; elsewhere a warning
 }
 
+# Each run lists its slowest tests (--durations): where CI's time goes.
 pytest_both() {   # pytest args...: in $VENV, then what it skipped in $COMPILE_VENV
   local skipped status=0 ids
   skipped=$(mktemp)
-  NXOPS_SKIPPED_LOG=$skipped python -m pytest -q "$@" || status=$?
+  NXOPS_SKIPPED_LOG=$skipped python -m pytest -q --durations=25 "$@" || status=$?
   if [ -s "$skipped" ]; then
     mapfile -t ids < <(sort -u "$skipped")
     echo "== ${#ids[@]} skipped in $VENV, again in $COMPILE_VENV (compile, triton and docs extras):"
-    "$COMPILE_PYTHON" -m pytest -q -rs "${ids[@]}" || status=$?
+    "$COMPILE_PYTHON" -m pytest -q -rs --durations=10 "${ids[@]}" || status=$?
   fi
   rm -f "$skipped"
   return "$status"
