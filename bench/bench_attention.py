@@ -108,14 +108,14 @@ def cpu_memory(size: Size) -> dict[str, int]:
 
 def _cuda_compile_available() -> bool:
     try:
-        from bench.static import gpu   # only when asked: it loads XLA's GPU compiler
+        from tests._deviceless import gpu   # only when asked: it loads XLA's GPU compiler
     except ImportError:
         return False
     return gpu.compile_available("h100")
 
 
 def h100_memory(size: Size) -> dict[str, int]:
-    from bench.static import gpu
+    from tests._deviceless import gpu
     mesh = gpu.gpu_mesh("h100", (1,), ("d",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     with jax.set_mesh(mesh):

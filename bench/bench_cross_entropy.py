@@ -155,14 +155,14 @@ def cpu_figures(size: Size) -> dict[str, int]:
 
 def _cuda_compile_available() -> bool:
     try:
-        from bench.static import gpu   # only when asked: it loads XLA's GPU compiler
+        from tests._deviceless import gpu   # only when asked: it loads XLA's GPU compiler
     except ImportError:
         return False
     return gpu.compile_available("h100")
 
 
 def h100_figures(size: Size) -> dict[str, int]:
-    from bench.static import gpu
+    from tests._deviceless import gpu
     mesh = gpu.gpu_mesh("h100", (1,), ("v",))
     structs = operand_structs(size, mesh)
     with jax.set_mesh(mesh):
@@ -176,7 +176,7 @@ def vocab_mesh(layout: str = "vocab"):
 
 
 def h100_vocab_mesh(layout: str = "vocab"):
-    from bench.static import gpu
+    from tests._deviceless import gpu
     return gpu.gpu_mesh("h100", *LAYOUTS[layout][:2])
 
 

@@ -30,59 +30,19 @@ import time
 import jax
 import jax.numpy as jnp
 import pytest
-from jax import lax
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
 import nxops as nx
 from nxops.kernels._selection import current_selection
 from bench._measure import Work, assert_close, measure, nbytes
+# The block, its placements and its hand-written twin: one definition, shared
+# with the test that checks both compile to the same program.
+from tests._training import (DP, IN_AXES, MP, PLACEMENTS, named_block, shard_map_twin,
+                             training_mesh)
 
-DP, MP = 2, 4
 B, D, H, V = 128, 512, 2048, 1024    # examples per batch position, model, hidden, vocab
 F32 = jnp.float32
-IN_AXES = (["shard", ...], ["shard", ...], [...], ["batch", ...], ["batch", ...])
-PLACEMENTS = {
-    "dp": {"batch": "dp"},
-    "mp": {"shard": "mp"},
-    "mixed": {"batch": "dp", "shard": "mp"},
-}
 INTERLEAVED_ROUNDS = 61   # odd: the median is one round; ~2% standard error on this noisy machine
-
-
-def block_loss(w1, w2, wv, x, y, psum_shard, pmean_batch):
-    h = jax.nn.relu(x @ w1)
-    logits = psum_shard(h @ w2) @ wv
-    picked = jnp.take_along_axis(logits, y[:, None], 1)[:, 0]
-    return pmean_batch(jnp.mean(nx.logsumexp(logits, 1) - picked))
-
-
-def named_block(w1, w2, wv, x, y):
-    return block_loss(w1, w2, wv, x, y, lambda v: nx.psum(v, "shard"),
-                      lambda v: nx.pmean(v, "batch"))
-
-
-def shard_map_twin(resources, mesh):
-    """The step as written by hand; returns it and its operands' partition specs."""
-    batch_axis, shard_axis = resources.get("batch"), resources.get("shard")
-
-    def local(w1, w2, wv, x, y):
-        def step(w1, w2, x, y):
-            return block_loss(w1, w2, wv, x, y, lambda v: lax.psum(v, shard_axis or "shard"),
-                              lambda v: lax.pmean(v, batch_axis or "batch"))
-        if shard_axis is None:
-            over_shard = jax.vmap(step, in_axes=(0, 0, None, None), out_axes=None,
-                                  axis_name="shard")
-        else:
-            over_shard = lambda w1, w2, x, y: step(w1[0], w2[0], x, y)
-        if batch_axis is None:
-            return jax.vmap(over_shard, in_axes=(None, None, 0, 0), out_axes=None,
-                            axis_name="batch")(w1, w2, x, y)
-        return over_shard(w1, w2, x[0], y[0])
-
-    specs = (P(shard_axis), P(shard_axis), P(), P(batch_axis), P(batch_axis))
-    used = frozenset(a for a in (batch_axis, shard_axis) if a)
-    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(), axis_names=used,
-                         check_vma=False), specs
 
 
 def operands(mesh, specs):
@@ -93,14 +53,6 @@ def operands(mesh, specs):
               jax.random.normal(k[3], (DP, B, D), F32),
               jax.random.randint(k[4], (DP, B), 0, V))
     return [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(arrays, specs)]
-
-
-def training_mesh():
-    """The (dp, mp) mesh, Auto axes: on an Explicit mesh JAX 0.12 cannot lower
-    the hand-written twin itself (a vmapped lax.pmean inside a shard_map that
-    leaves an Explicit axis automatic: docs/jax-versions.md), so both run on
-    Auto axes, as a shard_map user on JAX 0.12 would."""
-    return jax.make_mesh((DP, MP), ("dp", "mp"), axis_types=(AxisType.Auto,) * 2)
 
 
 def training_steps(placement):

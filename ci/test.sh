@@ -24,14 +24,18 @@ print(*[m for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu") if u.fin
   [ "${CI:-}" != "true" ]   # in CI a failure; elsewhere a warning
 }
 
+# Each step prints when it starts (seconds since this script started) and each
+# pytest run lists its slowest tests (--durations): where CI's time goes.
+step() { echo "== [$SECONDS s] $*"; }
+
 pytest_both() {   # pytest args...: in $VENV, then what it skipped in $COMPILE_VENV
   local skipped status=0 ids
   skipped=$(mktemp)
-  NXOPS_SKIPPED_LOG=$skipped python -m pytest -q "$@" || status=$?
+  NXOPS_SKIPPED_LOG=$skipped python -m pytest -q --durations=25 "$@" || status=$?
   if [ -s "$skipped" ]; then
     mapfile -t ids < <(sort -u "$skipped")
-    echo "== ${#ids[@]} skipped in $VENV, again in $COMPILE_VENV (compile, triton and docs extras):"
-    "$COMPILE_PYTHON" -m pytest -q -rs "${ids[@]}" || status=$?
+    step "${#ids[@]} skipped in $VENV, again in $COMPILE_VENV (compile, triton and docs extras):"
+    "$COMPILE_PYTHON" -m pytest -q -rs --durations=10 "${ids[@]}" || status=$?
   fi
   rm -f "$skipped"
   return "$status"
@@ -39,11 +43,19 @@ pytest_both() {   # pytest args...: in $VENV, then what it skipped in $COMPILE_V
 
 check_clean_venv
 if [ "$#" -gt 0 ]; then
-  pytest_both "$@"
-  exit
+  step "pytest $*"
+  status=0
+  pytest_both "$@" || status=$?
+  step "done"
+  exit "$status"
 fi
+step "ruff"
 python -m ruff check
+step "the test suite"
 pytest_both tests
-"$COMPILE_PYTHON" -m pytest bench -q --benchmark-disable -k "not medium and not large"
+step "the benchmarks, untimed"
+"$COMPILE_PYTHON" -m pytest bench -q --benchmark-disable --durations=10 -k "not medium and not large"
 # ci/gpu.sh's CPU dry run (~1 min): the GPU script cannot rot between GPU runs.
+step "ci/gpu.sh --dry"
 PYTHON=$COMPILE_PYTHON bash "$(dirname "$0")/gpu.sh" --dry "$(mktemp -d)"
+step "done"

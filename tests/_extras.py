@@ -39,7 +39,7 @@ def gpu_compile_missing() -> str | None:
     if not any(importlib.util.find_spec(p) is not None for p in plugins):
         return f"needs nxops' compile extra (no CUDA plugin): {install_command('compile')}"
     try:
-        from bench.static.gpu import ptxas_path
+        from tests._deviceless.gpu import ptxas_path
         ptxas_path()
     except (ImportError, FileNotFoundError):
         return f"needs nxops' compile extra (no ptxas): {install_command('compile')}"

@@ -1,1 +1,2 @@
-"""Static (deviceless) compile harnesses: bench.static.gpu (H100/A100 via XLA GPU + ptxas)."""
+"""Tables of deviceless compiles (GPU.md, SASS.md, TPU.md) and the cost model
+(MODEL.md); the compile harness they use is tests/_deviceless/."""

@@ -12,7 +12,7 @@ one for every entry of the sm_90 table.
 
 Each program of a fixed set (``programs()``) is compiled deviceless, once
 under ``auto`` and once under ``xla``, for GPUs by XLA's GPU compiler
-(``bench.static.gpu``'s targets) and for TPUs by libtpu (``bench.static.tpu``'s
+(``tests._deviceless.gpu``'s targets) and for TPUs by libtpu (``tests._deviceless.tpu``'s
 slices), and its time is estimated from what the compiled program launches.
 
 Assumptions (the whole model; nothing else goes in):
@@ -72,6 +72,8 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax
 
+from tests._deviceless import gpu, tpu
+
 GPU_OVERHEAD = 2e-6
 TPU_OVERHEAD = 0.5e-6
 
@@ -80,7 +82,7 @@ TPU_OVERHEAD = 0.5e-6
 class Machine:
     name: str
     kind: str            # "gpu" or "tpu"
-    target: str          # bench.static.gpu arch / bench.static.tpu chip
+    target: str          # tests._deviceless.gpu arch / tests._deviceless.tpu chip
     bandwidth: float     # HBM bytes/s
     tensor_flops: float  # dense bf16 FLOP/s
     link_bandwidth: float
@@ -395,7 +397,6 @@ def lower(program: "Program", machine: str, selection: str):
     import numpy as np
 
     import nxops as nx
-    from bench.static import gpu, tpu
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     m = MACHINES[machine]
@@ -419,8 +420,6 @@ def lower(program: "Program", machine: str, selection: str):
 
 def estimate_lowered(lowered, machine: str, selection: str) -> Estimate:
     """Compiles ``lowered`` for ``machine`` and models the launches."""
-    from bench.static import tpu
-
     m = MACHINES[machine]
     grids: dict[str, list[int]] = {}
     if m.kind == "gpu":

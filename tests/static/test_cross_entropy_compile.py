@@ -10,7 +10,7 @@ from tests._extras import require_gpu_compile
 require_gpu_compile()
 
 import nxops as nx
-from bench.static import gpu
+from tests._deviceless import gpu
 
 S = jax.ShapeDtypeStruct
 TOKENS, HIDDEN, VOCAB = 2048, 512, 8000

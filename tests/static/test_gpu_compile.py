@@ -13,7 +13,7 @@ from tests._extras import require_gpu_compile
 require_gpu_compile()
 
 import nxops as nx
-from bench.static import gpu
+from tests._deviceless import gpu
 
 S = jax.ShapeDtypeStruct
 ARCHS = ["h100", "a100"]

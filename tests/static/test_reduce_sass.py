@@ -15,7 +15,7 @@ from tests._extras import missing_extra, require_gpu_compile
 require_gpu_compile()
 
 import nxops as nx
-from bench.static import gpu, sass
+from tests._deviceless import gpu, sass
 
 BACKENDS = ["pallas", "triton"]
 SHAPES = [(16384, 8192), (4096, 4096)]
@@ -60,8 +60,8 @@ def test_one_pass_of_128_bit_loads_filling_every_sm(compiled, case, shape):
     assert first.blocks >= SM_COUNT and first.ctas_per_sm >= 4, first
     for k in (first, *second):
         assert (k.spill_stores, k.spill_loads) == (0, 0), k
-        assert set(k.loads().widths) == {128}, (k.name, k.loads().widths)
-    loads = first.loads()
+        assert set(sass.kernel_loads(k).widths) == {128}, (k.name, sass.kernel_loads(k).widths)
+    loads = sass.kernel_loads(first)
     threads = math.prod(first.threads)
     assert sass.loads_per_element(loads, plan, threads, jnp.dtype(dtype).itemsize) == 1.0, \
         (loads, plan, threads)

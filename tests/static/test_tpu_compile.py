@@ -4,7 +4,7 @@ deviceless): every Mosaic kernel compiles forward and backward in f32 and bf16
 compiled programs have a memory analysis, and each kernel's pl.CostEstimate
 (the traffic XLA's scheduler is told) is the analytic count and reaches XLA.
 Whether a kernel is faster than XLA is bench/static/model.py's question
-(tests/static/test_cost_model.py), never answered from these estimates."""
+(bench/static/test_model.py), never answered from these estimates."""
 import jax
 import jax.numpy as jnp
 import pytest
@@ -18,7 +18,7 @@ import nxops as nx
 from nxops.kernels import _tpu_target
 from nxops.kernels.pallas import _common
 from nxops.kernels.pallas import dot_general as pallas_dot
-from bench.static import tpu
+from tests._deviceless import tpu
 
 S = jax.ShapeDtypeStruct
 CHIPS = ["v5e", "v5p", "v6e"]

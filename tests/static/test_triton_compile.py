@@ -13,7 +13,7 @@ require_extra("triton", "triton", "jax_triton")
 require_gpu_compile()
 
 import nxops as nx
-from bench.static import gpu
+from tests._deviceless import gpu
 from nxops.kernels.triton import dot_general as triton_dot
 
 S = jax.ShapeDtypeStruct

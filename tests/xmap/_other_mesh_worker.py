@@ -5,13 +5,16 @@ one mesh (``--made``) passed to an ``nx.xmap`` called under another
 ok`` when the result equals NumPy's, ``<res> WRONG ...`` otherwise, or
 ``<res> NxopsError: <message>``.
 
-Usage: python _other_mesh_worker.py MADE USED SPEC [HOW]
+Usage: python _other_mesh_worker.py MADE USED SPEC [HOW] [-- MADE USED SPEC [HOW] ...]
   MADE / USED: a mesh key of MESHES; USED may also be "legacy" (the same as
     "(4,2) xy", entered with the legacy ``with mesh:``) or "none"
   SPEC: the input's PartitionSpec on MADE: "repl", "0" or "1" (split over its
     first or second axis), "all" (over all its axes)
   HOW: "call" (default), "jit" (inside jax.jit), "grad" (jax.grad), "lower"
+Several cases, separated by "--", run one after the other in this process
+(starting JAX once); each case's lines follow a line ``== case <its argv as JSON>``.
 """
+import json
 import os
 import sys
 
@@ -97,5 +100,15 @@ def _one(x, data, res, how: str) -> str:
     return "ok" if np.allclose(got, want) else f"WRONG {got.ravel()[:4]} want {want.ravel()[:4]}"
 
 
+def cases(argv: list[str]) -> list[list[str]]:
+    """The command line's cases: argument lists separated by "--"."""
+    found = [[]]
+    for arg in argv:
+        found.append([]) if arg == "--" else found[-1].append(arg)
+    return found
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    for case in cases(sys.argv[1:]):
+        print("== case", json.dumps(case), flush=True)
+        main(*case)

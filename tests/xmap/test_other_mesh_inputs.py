@@ -6,7 +6,11 @@ devices. Called with concrete arrays, xmap moves them onto its mesh and gives
 NumPy's result on every placement; traced (jax.jit, jax.grad), it raises an
 NxopsError saying where the input lives and how to move it. XLA used to abort
 the whole process on some of these ("Manual sub-axis isn't supported"), so
-each case runs in a process of its own: an abort fails one test, not the run."""
+the cases run in a process apart from pytest's: all of them in one (JAX starts
+once), and where that process dies, each case in a process of its own, so
+that an abort fails its own test, not the run."""
+import functools
+import json
 import os
 import subprocess
 import sys
@@ -15,15 +19,39 @@ from pathlib import Path
 import pytest
 
 _WORKER = Path(__file__).with_name("_other_mesh_worker.py")
+_CASE = "== case "
+
+
+def _worker(argv: list[str], timeout: int) -> subprocess.CompletedProcess:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, str(_WORKER), *argv], env=env, capture_output=True,
+                          text=True, timeout=timeout, cwd=Path(__file__).parents[2])
+
+
+@functools.cache
+def _every_case_in_one_process() -> dict[tuple[str, ...], list[str]]:
+    """{case argv: its lines}, from one worker process running every case of
+    this module; empty where that process failed."""
+    argv = [arg for case in ALL_CASES for arg in ("--", *case)][1:]
+    done = _worker(argv, timeout=300 + 30 * len(ALL_CASES))
+    if done.returncode != 0:
+        return {}
+    lines: dict[tuple[str, ...], list[str]] = {}
+    for line in done.stdout.splitlines():
+        if line.startswith(_CASE):
+            case = lines.setdefault(tuple(json.loads(line.removeprefix(_CASE))), [])
+        else:
+            case.append(line)
+    return lines
 
 
 def run_case(*argv: str) -> list[str]:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")
-    done = subprocess.run([sys.executable, str(_WORKER), *argv], env=env, capture_output=True,
-                          text=True, timeout=300, cwd=Path(__file__).parents[2])
+    if (lines := _every_case_in_one_process().get(argv)) is not None:
+        return lines
+    done = _worker(list(argv), timeout=300)   # a process of its own: an abort fails this case only
     assert done.returncode == 0, (done.returncode, done.stdout, done.stderr[-3000:])
-    return done.stdout.splitlines()
+    return done.stdout.splitlines()[1:]   # after its "== case" line
 
 
 def _placements_of(used: str) -> list[str]:
@@ -49,6 +77,15 @@ MOVED = [   # (made on, used under, input's spec there)
 ]
 
 
+LOWERED = ("(2,4) xy", "(4,2) xy", "1", "lower")
+UNSCOPED = ("(2,4) xy", "none", "1")
+TRACED = [(made, used, how) for made, used in [("(2,4) xy", "(4,2) xy"), ("(8,) x", "(2,4) xy"),
+                                               ("(2,4) xy auto", "(4,2) xy auto")]
+          for how in ("jit", "grad")]
+ALL_CASES = (MOVED + [LOWERED, UNSCOPED]
+             + [(made, used, "0", how) for made, used, how in TRACED])
+
+
 @pytest.mark.parametrize("made,used,spec", MOVED, ids=[f"{m}-on-{u}-{s}" for m, u, s in MOVED])
 def test_concrete_input_from_another_mesh_is_moved_onto_the_xmaps_mesh(made, used, spec):
     lines = run_case(made, used, spec)
@@ -56,17 +93,15 @@ def test_concrete_input_from_another_mesh_is_moved_onto_the_xmaps_mesh(made, use
 
 
 def test_lowering_for_an_input_from_another_mesh_compiles_for_the_xmaps_mesh():
-    lines = run_case("(2,4) xy", "(4,2) xy", "1", "lower")
+    lines = run_case(*LOWERED)
     assert lines == [f"{res} ok" for res in _placements_of("(4,2) xy")]
 
 
 def test_an_input_typed_on_a_mesh_with_none_in_scope_runs_as_before():
-    assert run_case("(2,4) xy", "none", "1") == ["{} ok"]
+    assert run_case(*UNSCOPED) == ["{} ok"]
 
 
-@pytest.mark.parametrize("how", ["jit", "grad"])
-@pytest.mark.parametrize("made,used", [("(2,4) xy", "(4,2) xy"), ("(8,) x", "(2,4) xy"),
-                                       ("(2,4) xy auto", "(4,2) xy auto")])
+@pytest.mark.parametrize("made,used,how", TRACED)
 def test_traced_input_from_another_mesh_is_an_nxops_error_saying_how_to_move_it(made, used, how):
     lines = run_case(made, used, "0", how)
     assert len(lines) == len(_placements_of(used)), lines

@@ -17,12 +17,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 import nxops as nx
 from tests._megatron import fg_operators
-# The block, its placements and its hand-written twin: one definition, shared
-# with the benchmark that times them.
-from bench.bench_training import (IN_AXES, PLACEMENTS, named_block, shard_map_twin,
-                                  training_mesh)
+from tests._training import DP, IN_AXES, MP, PLACEMENTS, named_block, shard_map_twin, training_mesh
 
-DP, MP = 2, 4                  # the (dp, mp) mesh; the names batch (DP) and shard (MP)
 B, D, H, V = 8, 32, 64, 48     # per-batch-position examples, model, hidden, vocab
 # The ops whose counts must match (layout work, collectives, matmuls, fusions).
 KINDS = ("transpose", "copy", "all-reduce", "all-gather", "reduce-scatter",
