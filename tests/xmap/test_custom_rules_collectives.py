@@ -13,10 +13,10 @@ import pytest
 from jax import lax
 
 import nxops as nx
+from tests._sequence_parallel import ring, sequence_parallel_operators
 
 B, S = 2, 4   # sizes of 'b' (batch) and 's' (the sequence-parallel name)
-RING = [(i, (i + 1) % S) for i in range(S)]
-BACK = [(d, s) for s, d in RING]
+RING = ring(S)
 
 
 class _Lax:
@@ -26,6 +26,7 @@ class _Lax:
     all_to_all = staticmethod(lambda x, name, split, concat, tiled: lax.all_to_all(
         x, name, split, concat, tiled=tiled))
     ppermute = staticmethod(lax.ppermute)
+    axis_size = staticmethod(lax.axis_size)
 
     @staticmethod
     def untile(x, axes):
@@ -47,29 +48,12 @@ class _Nx:
     ppermute = staticmethod(nx.ppermute)
     untile = staticmethod(nx.untile)
     tile = staticmethod(nx.tile)
-
-
-def custom_rule(forward, backward):
-    """A custom_vjp operator: ``forward`` its value, ``backward`` its bwd."""
-    @jax.custom_vjp
-    def op(x):
-        return forward(x)
-    op.defvjp(lambda x: (op(x), None), lambda _, ct: (backward(ct),))
-    return op
+    axis_size = staticmethod(nx.axis_size)
 
 
 def operators(c) -> dict:
     """The rules, written with the collectives of ``c`` (_Nx or _Lax) over 's'."""
-    return {
-        "gather": custom_rule(lambda x: c.all_gather(x, "s", axis=0, tiled=True),
-                              lambda t: c.psum_scatter(t, "s", scatter_dimension=0, tiled=True)),
-        "scatter": custom_rule(lambda x: c.psum_scatter(x, "s", scatter_dimension=0, tiled=True),
-                               lambda t: c.all_gather(t, "s", axis=0, tiled=True)),
-        "all_to_all": custom_rule(lambda x: c.all_to_all(x, "s", 0, 1, True),
-                                  lambda t: c.all_to_all(t, "s", 1, 0, True)),
-        "ring": custom_rule(lambda x: c.ppermute(x, "s", RING), lambda t: c.ppermute(t, "s", BACK)),
-        "untile": custom_rule(lambda x: c.untile(x, {"s": 0}), lambda t: c.tile(t, {"s": 0})),
-    }
+    return sequence_parallel_operators(c, "s")
 
 
 OPS = list(operators(_Nx))
