@@ -175,6 +175,55 @@ def _named_reductions(dtype):
     return case
 
 
+MAPPED_REDUCTIONS = {"sum": np.sum, "max": np.max, "min": np.min, "mean": np.mean,
+                     "var": np.var, "std": np.std,
+                     "logsumexp": lambda x, axis: np.log(np.sum(np.exp(x), axis=axis))}
+
+
+def reductions_at_each_mapped_dim(resources):
+    """JAX's NamedNumPyTest.testReductions: the name at dim 0 or 2 of a
+    (2, 5, 6) array's (8, 5, 6) here, reduced with or without a positional dim."""
+    x = _rng().standard_normal((8, 5, 6)).astype(np.float32)
+    r = {k: v for k, v in resources.items() if k == "i"}
+    pairs = []
+    for mapped in (0, 2):
+        xm = np.moveaxis(x, 0, mapped)
+        for op, ref in MAPPED_REDUCTIONS.items():
+            for axes in ("i", (0, "i")):
+                f = nx.xmap(lambda v: getattr(nx, op)(v, axes), in_axes={mapped: "i"},
+                            out_axes={}, axis_resources=r)
+                ref_axes = (mapped,) if axes == "i" else (mapped, int(mapped == 0))
+                pairs.append((f(xm), ref(xm, axis=ref_axes)))
+    return pairs
+
+
+def one_hot_along_a_name(resources):
+    """JAX's NamedNNTest.testOneHot and testOneHotOutOfBound."""
+    r = {k: v for k, v in resources.items() if k == "j"}
+    f = nx.xmap(lambda _: (nx.one_hot(jnp.array([1, 0, -1, 2]), axis="j"),
+                           nx.one_hot(jnp.array([-1, 2]), axis="j")),
+                in_axes=["j", ...], out_axes=(["j", ...], ["j", ...]), axis_resources=r)
+    got = f(jnp.ones(2, jnp.int32))
+    return [(got[0], np.array([[0, 1, 0, 0], [1, 0, 0, 0]])), (got[1], np.zeros((2, 2)))]
+
+
+def random_is_resource_independent(resources):
+    """JAX's NamedRandomTest.testSamplerResourceIndependence: the same draws
+    along a name on every placement; different ones at each position."""
+    r = {k: v for k, v in resources.items() if k in "ij"}
+    def sample(r):
+        def body():      # the key made in the body, as in JAX's test
+            key = jax.random.key(0)
+            return (nx.random.uniform(key, (3,), names=("i", "j")),
+                    nx.random.normal(key, (3,), names="i"))
+        return nx.xmap(body,
+                       in_axes=(), out_axes=(["i", "j", ...], ["i", ...]),
+                       axis_sizes={"i": 4, "j": 2}, axis_resources=r)()
+    want, got = sample({}), sample(r)
+    distinct = len(np.unique(np.asarray(want[0]).reshape(8, 3), axis=0)) == 8
+    return [(got[0], want[0]), (got[1], want[1]), (np.asarray(distinct), np.asarray(True))]
+
+
 def logsumexp_and_pmean(resources):
     x = _rng().standard_normal((8, 4)).astype(np.float32)
     r = {k: v for k, v in resources.items() if k == "i"}
@@ -252,6 +301,9 @@ CASES = {
     "tensordot_over_two_names": tensordot_over_two_names,
     "named_reductions_f32": _named_reductions(np.float32),
     "named_reductions_i32": _named_reductions(np.int32),
+    "reductions_at_each_mapped_dim": reductions_at_each_mapped_dim,
+    "one_hot_along_a_name": one_hot_along_a_name,
+    "random_is_resource_independent": random_is_resource_independent,
     "logsumexp_and_pmean": logsumexp_and_pmean,
     "collectives": collectives,
     "named_einsum": named_einsum,
