@@ -4,7 +4,10 @@ all_to_all exchange, a hand-written ring step (ppermute forward, the inverse
 ppermute backward) and untile/tile. Each is written once against a namespace
 ``c`` of collectives with nx's signatures (nxops itself, the oracle's
 reference module, or lax spelled like nx)."""
+import types
+
 import jax
+from jax import lax
 
 
 def custom_rule(forward, backward):
@@ -34,3 +37,27 @@ def sequence_parallel_operators(c, name: str) -> dict:
                             lambda t: c.ppermute(t, name, ring(c.axis_size(name), -1))),
         "untile": custom_rule(lambda x: c.untile(x, {name: 0}), lambda t: c.tile(t, {name: 0})),
     }
+
+
+def _lax_untile(x, axes):
+    (name, dim), = axes.items()
+    return lax.all_gather(x, name, axis=dim, tiled=True)
+
+
+def _lax_tile(x, axes):
+    (name, dim), = axes.items()
+    size = x.shape[dim] // lax.axis_size(name)
+    return lax.dynamic_slice_in_dim(x, lax.axis_index(name) * size, size, dim)
+
+
+# lax's collectives spelled like nx's (for jax.vmap references)
+LAX = types.SimpleNamespace(
+    all_gather=lax.all_gather,
+    psum_scatter=lax.psum_scatter,
+    all_to_all=lambda x, name, split, concat, *, tiled: lax.all_to_all(
+        x, name, split, concat, tiled=tiled),
+    ppermute=lax.ppermute,
+    axis_size=lax.axis_size,
+    untile=_lax_untile,
+    tile=_lax_tile,
+)

@@ -13,31 +13,10 @@ import pytest
 from jax import lax
 
 import nxops as nx
-from tests._sequence_parallel import ring, sequence_parallel_operators
+from tests._sequence_parallel import LAX, ring, sequence_parallel_operators
 
 B, S = 2, 4   # sizes of 'b' (batch) and 's' (the sequence-parallel name)
 RING = ring(S)
-
-
-class _Lax:
-    """The lax spelling of the nx collectives the rules use (for jax.vmap)."""
-    all_gather = staticmethod(lax.all_gather)
-    psum_scatter = staticmethod(lax.psum_scatter)
-    all_to_all = staticmethod(lambda x, name, split, concat, tiled: lax.all_to_all(
-        x, name, split, concat, tiled=tiled))
-    ppermute = staticmethod(lax.ppermute)
-    axis_size = staticmethod(lax.axis_size)
-
-    @staticmethod
-    def untile(x, axes):
-        (name, dim), = axes.items()
-        return lax.all_gather(x, name, axis=dim, tiled=True)
-
-    @staticmethod
-    def tile(x, axes):
-        (name, dim), = axes.items()
-        size = x.shape[dim] // lax.axis_size(name)
-        return lax.dynamic_slice_in_dim(x, lax.axis_index(name) * size, size, dim)
 
 
 class _Nx:
@@ -52,7 +31,7 @@ class _Nx:
 
 
 def operators(c) -> dict:
-    """The rules, written with the collectives of ``c`` (_Nx or _Lax) over 's'."""
+    """The rules, written with the collectives of ``c`` (_Nx or LAX) over 's'."""
     return sequence_parallel_operators(c, "s")
 
 
@@ -143,7 +122,7 @@ def test_gradient_inside_the_body_is_jax_vmaps_on_every_placement(op_name, name,
         loss = _loss(operators(c)[op_name])
         return lambda x, w: jax.grad(loss, argnums=(0, 1))(x, w)
 
-    want = _positional(body(_Lax), (0, None))(x, w)
+    want = _positional(body(LAX), (0, None))(x, w)
     f = nx.xmap(body(_Nx), [["b", "s", ...], [...]], (["b", "s", ...], ["b", "s", ...]),
                 axis_resources=resources)
     with jax.set_mesh(jax.make_mesh((2, 4), ("x", "y"))):
