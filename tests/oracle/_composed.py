@@ -479,6 +479,8 @@ def draw_rule_programs(rng: np.random.Generator, count: int, n: int,
         if not wrapper_pool:
             wrapper_pool = [str(w) for w in rng.permutation(allowed)]
         first = wrapper_pool.pop()
+        if first not in allowed:      # the pool is of another dtype's wrappers
+            first = str(rng.choice(allowed))
         inner = [w for w in allowed if w not in ("plain", first)]
         wrappers = (first,) if rng.random() < 0.7 or first == "plain" else (
             first, str(rng.choice(inner)))
