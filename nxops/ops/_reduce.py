@@ -181,17 +181,22 @@ ad.primitive_transposes[reduce_p] = _sum_transpose
 
 # --- the public functions ---------------------------------------------------
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
-def _mesh_extremum(y, mesh_names, op):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
+def _mesh_extremum(y, ties, mesh_names, op):
     """``lax.pmax``/``pmin`` with a derivative (JAX has none): ties share the
     tangent equally, as ``jnp.max`` does. NaN propagates as in ``jnp.max``,
     which XLA:CPU's all-reduce max does not do: floats are reduced as integer
-    keys of a total order in which NaN wins (one all-reduce, no NaN flag)."""
+    keys of a total order in which NaN wins (one all-reduce, no NaN flag).
+
+    ``ties``: None, or how many elements of the local stage each element of
+    ``y`` stands for (``_local_ties``): a device's share of the tangent is
+    then in proportion, so that every tied element gets the same share, as
+    in one reduction over all of them."""
     reduce_keys = lax.pmax if op == "max" else lax.pmin
     if not jnp.issubdtype(y.dtype, jnp.floating):
         return reduce_keys(y, mesh_names)
     if jnp.dtype(y.dtype) not in _KEY_DTYPES:   # 8-bit floats: exact in f32 (the result is an input)
-        return _mesh_extremum(y.astype(jnp.float32), mesh_names, op).astype(y.dtype)
+        return _mesh_extremum(y.astype(jnp.float32), ties, mesh_names, op).astype(y.dtype)
     keys = reduce_keys(_float_order_keys(y, nan_wins=op), mesh_names)
     return _floats_of_order_keys(keys, y.dtype)
 
@@ -226,30 +231,52 @@ def _floats_of_order_keys(keys, dtype):
 
 @_mesh_extremum.defjvp
 def _mesh_extremum_jvp(mesh_names, op, primals, tangents):
-    (y,), (t,) = primals, tangents
-    out = _mesh_extremum(y, mesh_names, op)
-    weight = _gathered_extremum_weight(y, mesh_names, op).astype(t.dtype)
+    (y, ties), (t, _) = primals, tangents
+    out = _mesh_extremum(y, ties, mesh_names, op)
+    weight = _gathered_extremum_weight(y, ties, mesh_names, op).astype(t.dtype)
     return out, _nan_where_nan(out, lax.psum(t * weight, mesh_names))
 
 
-def _gathered_extremum_weight(y, mesh_names, op):
+def _gathered_extremum_weight(y, ties, mesh_names, op):
     """This device's share of the tangent, from one gathered copy of every
     device's ``y``. A tie mask ``y == pmax(y)`` with counts psum'd beside it
     reads ``y`` in several fusions, and XLA may recompute ``y``'s producer in
     each, rounded differently (seen on CPU: counts of 1 beside empty masks,
     so zero tangents, or 0/0). Compared within the gathered copy, the ties
     are exact. (Costs an all-gather of ``y``, in derivatives only.)"""
-    invariant = tuple(n for n in mesh_names if n not in jax.typeof(y).manual_axis_type.varying)
-    y = lax.pcast(y, invariant, to="varying") if invariant else y   # all_gather wants varying
-    everyone = xla_collectives.all_gather(y, mesh_names, axis=0, tiled=False)
+    everyone = _gather_everyone(y, mesh_names)
     extremum = (jnp.max if op == "max" else jnp.min)(everyone, axis=0)
     weights = _extremum_weights(everyone, extremum, op)
+    if ties is not None:
+        weights = weights * _gather_everyone(ties, mesh_names).astype(weights.dtype)
+        weights = weights / jnp.sum(weights, axis=0)
     return lax.dynamic_index_in_dim(weights, lax.axis_index(mesh_names), 0, keepdims=False)
 
 
+def _gather_everyone(v, mesh_names):
+    """Every device's ``v``, stacked along a new leading axis."""
+    invariant = tuple(n for n in mesh_names if n not in jax.typeof(v).manual_axis_type.varying)
+    v = lax.pcast(v, invariant, to="varying") if invariant else v   # all_gather wants varying
+    return xla_collectives.all_gather(v, mesh_names, axis=0, tiled=False)
+
+
+def _local_ties(x, y, positional, vmap_names, op):
+    """For a max/min reduced locally (over ``positional`` axes and
+    ``vmap_names``) to ``y`` before the mesh stage: how many elements of
+    ``x`` equal it (at least 1: ``y`` is one of them, should a recomputed
+    ``x`` round otherwise), or None where no derivative can flow."""
+    if op not in ("max", "min") or not jnp.issubdtype(x.dtype, jnp.floating):
+        return None
+    x, y = lax.stop_gradient(x), lax.stop_gradient(y)
+    tied = (x == _expand(y, positional)).astype(jnp.float32)
+    counts = bind_reduce(tied, axes=positional, op="sum", axis_names=vmap_names,
+                         kernels=selection_param())
+    return jnp.maximum(counts, 1.0)
+
+
 _MESH_REDUCERS = {   # (sum is handled first: it records the partial for sum-then-tile)
-    "max": functools.partial(_mesh_extremum, op="max"),
-    "min": functools.partial(_mesh_extremum, op="min"),
+    "max": lambda y, mesh_names, ties: _mesh_extremum(y, ties, mesh_names, "max"),
+    "min": lambda y, mesh_names, ties: _mesh_extremum(y, ties, mesh_names, "min"),
 }
 
 
@@ -305,14 +332,22 @@ def _resolve_axes(x, axis, name: str):
 def _reduce_resolved(x, positional, vmap_names, mesh_names, op: str):
     """The local reduction (one primitive, a kernel after batching), then one
     collective over the mesh names."""
-    y = x
+    y, ties = x, None
     if positional or vmap_names:
         y = bind_reduce(y, axes=positional, op=op, axis_names=vmap_names,
                         kernels=selection_param())
+        if mesh_names:
+            ties = _local_ties(x, y, positional, vmap_names, op)
     else:   # the local reduction's dtype (sum: int8 -> int32, as jnp) on every placement
         y = y.astype(_reduced_dtype(y.dtype, op))
     if not mesh_names:
         return y
+    return _reduce_over_mesh(y, mesh_names, op, ties)
+
+
+def _reduce_over_mesh(y, mesh_names, op: str, ties=None):
+    """``op`` of the locally reduced ``y`` over ``mesh_names``: one collective.
+    ``ties``: see ``_mesh_extremum``."""
     if op in ("max", "min") and jnp.issubdtype(y.dtype, jnp.complexfloating):
         # XLA has no complex all-reduce max; jnp orders complex numbers lexicographically.
         gathered = xla_collectives.all_gather(y, mesh_names, axis=0, tiled=False,
@@ -322,11 +357,11 @@ def _reduce_resolved(x, positional, vmap_names, mesh_names, op: str):
         # XLA:CPU aborts (CHECK "Invalid binary instruction opcode copy") on a
         # bf16/f16 all-reduce over some of the mesh axes: reduce in f32 there
         # (every op; sums of other nx ops: xla_collectives.summed_in_f32_on_cpu).
-        return _reduce_resolved(y.astype(jnp.float32), (), (), mesh_names, op).astype(y.dtype)
+        return _reduce_over_mesh(y.astype(jnp.float32), mesh_names, op, ties).astype(y.dtype)
     if op == "sum":
         return _sum_then_tile.mesh_sum(y, mesh_names, platform=_mesh_platform())
     if op in _MESH_REDUCERS:
-        return _MESH_REDUCERS[op](y, mesh_names)
+        return _MESH_REDUCERS[op](y, mesh_names, ties)
     if op == "logsumexp":
         return _mesh_logsumexp(y, mesh_names)
     return _mesh_prod(y, mesh_names)

@@ -306,6 +306,8 @@ class XmapFunction:
             if not constants:
                 if nested and _closing_over_explicit(e):
                     raise _nested_closure_error(plan) from e
+                if _mixing_mesh_types(e):
+                    raise _closed_over_tracer_error(plan) from e
                 raise
         with pinned_constants(constants):
             try:
@@ -485,6 +487,23 @@ def _closing_over_explicit(error: Exception) -> bool:
     """Whether ``error`` is JAX's refusal to close over a value typed on Explicit
     mesh axes inside a shard_map."""
     return isinstance(error, NotImplementedError) and "Closing over inputs to shard_map" in str(error)
+
+
+def _mixing_mesh_types(error: Exception) -> bool:
+    """Whether ``error`` is JAX's refusal to mix a value typed on the all-Explicit
+    mesh (a tracer of an enclosing jax.jit or jax.vmap) with the body's values."""
+    return isinstance(error, ValueError) and "should match the aval mesh" in str(error)
+
+
+def _closed_over_tracer_error(plan: Plan) -> NxopsError:
+    return NxopsError(
+        f"The xmapped function closes over a value traced outside it (by an enclosing "
+        f"jax.jit, jax.vmap or jax.grad) and typed on the mesh with Explicit axes, and uses "
+        f"it inside the shard_map over mesh axes {plan.mesh_axes}, where JAX "
+        f"{jax.__version__} cannot mix it with the body's values (their mesh axes are "
+        f"Manual there). Pass the value to the xmapped function as an argument instead "
+        f"(in_axes [...] gives every position the same value), or map the names to no "
+        f"mesh axis.")
 
 
 def _nested_closure_error(plan: Plan) -> NxopsError:

@@ -111,27 +111,37 @@ TIED = jnp.asarray([[5.0, -5.0, 0.5], [5.0, -5.0, 0.0], [1.0, 2.0, 0.0], [0.0, 1
                     [5.0, -5.0, 0.0], [2.0, 0.0, -1.0], [-1.0, 1.0, 0.0], [3.0, 2.0, 0.0]])
 
 
-# A name on mesh axes and a vmap tile reduces in two stages (the tile, then the
-# devices), and each stage splits its ties' tangent equally: 1/2 and 1/4 where
-# jnp.max gives 1/3 to each of three ties. A known defect, not from the keys.
-TWO_STAGE_TIES = pytest.mark.xfail(strict=True, reason="ties split per stage on mesh + tile")
-GRAD_PLACEMENTS = [pytest.param(n, r, id=n, marks=TWO_STAGE_TIES if n in ("mesh_y", "mesh_x_and_tile")
-                                else ()) for n, r in PLACEMENTS]
-
-
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("name,resources", GRAD_PLACEMENTS)
+@pytest.mark.parametrize("name,resources", PLACEMENTS, ids=[p[0] for p in PLACEMENTS])
 def test_gradient_of_an_extremum_is_jnps_on_every_placement(op, name, resources):
-    """Ties share the gradient equally, as for jnp.max over the axis."""
+    """Ties share the gradient equally, as for jnp.max over the axis: also
+    where the name is on mesh axes and a vmap tile, which reduce in two
+    stages (the tile, then the devices); the devices' shares are in
+    proportion to their tiles' ties."""
     jnp_op = jnp.max if op == "pmax" else jnp.min
     want = jax.grad(lambda v: jnp.sum(jnp_op(v, axis=0) * jnp.asarray([1.0, 2.0, 3.0])))(TIED)
     np.testing.assert_allclose(_extremum_grad(op, resources, TIED), np.asarray(want), rtol=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason="a NaN extremum's gradient differs on mesh + tile")
 @pytest.mark.parametrize("op", OPS)
 def test_gradient_through_a_nan_extremum_is_the_same_on_every_placement(op):
     x = TIED.at[0, 2].set(jnp.nan)
     grads = {name: _extremum_grad(op, resources, x) for name, resources in PLACEMENTS}
     for name, grad in grads.items():
         np.testing.assert_array_equal(grad, grads["none"], err_msg=name)
+
+
+@pytest.mark.parametrize("op", ["max", "min"])
+@pytest.mark.parametrize("name,resources", PLACEMENTS, ids=[p[0] for p in PLACEMENTS])
+def test_gradient_of_an_extremum_over_a_name_and_a_dim_is_jnps(op, name, resources):
+    """Over a positional dim too: ties within a position and across devices
+    share the gradient equally."""
+    x = jnp.stack([TIED, TIED[::-1] * 0.5], axis=-1)          # [8, 3, 2]: ties in dim 1 too
+    named = nx.max if op == "max" else nx.min
+    jnp_op = jnp.max if op == "max" else jnp.min
+    weights = jnp.asarray([1.0, 2.0, 3.0])
+    f = nx.xmap(lambda v: named(v, ("b", 1)), [["b", ...]], [...], axis_resources=resources)
+    with jax.set_mesh(jax.make_mesh((2, 4), ("x", "y"))):
+        got = jax.grad(lambda v: jnp.sum(f(v) * weights))(x)
+    want = jax.grad(lambda v: jnp.sum(jnp_op(v, axis=(0, 2)) * weights))(x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)

@@ -22,6 +22,7 @@ from jax import lax
 
 import nxops as nx
 from tests._megatron import fg_operators
+from tests._sequence_parallel import sequence_parallel_operators
 
 CLOSED_KEY = jax.random.key(42)     # a key closed over by the body
 
@@ -30,8 +31,15 @@ def _nx_inner_map(fn, xs, name, resources):
     return nx.xmap(fn, [[name, ...]], [name, ...], axis_resources=resources)(xs)
 
 
+def _nx_custom_rules(name, inside_grad):
+    del inside_grad      # nxops means them the same inside and outside a gradient
+    f, g = fg_operators(nx.psum, name)
+    return {**sequence_parallel_operators(nx, name), "f": f, "g": g}
+
+
 NX = types.SimpleNamespace(
     fg=lambda name, inside_grad: fg_operators(nx.psum, name),
+    custom_rules=_nx_custom_rules,
     **{op: getattr(nx, op) for op in (
         "sum", "max", "min", "mean", "prod", "logsumexp", "psum", "pmax", "pmin", "pmean",
         "einsum", "pdot", "all_gather", "untile", "tile", "psum_scatter", "all_to_all",
@@ -160,6 +168,25 @@ NO_ZERO_SIZE = {"tile_w", "psum_scatter", "psum_scatter_bool", "all_to_all",
                 "all_to_all_negative", "all_to_all_replicated"}
 
 
+# Custom rules over each collective (tests/_sequence_parallel.py, and
+# Megatron's f/g) as ops: ``M.rule(kind, name)`` is the custom_vjp (see
+# build). Drawn only by draw_rule_programs, so that the other draws stay as
+# they were. Each keeps the per-position shape (D,) and takes an operand that
+# varies along the name.
+RULE_OPS: dict[str, Op] = {
+    "rule_gather": Op("fc", True, lambda x, y, w, k, n, M: x + _wsum(M.rule("gather", n)(x[None]))),
+    "rule_scatter": Op("fc", True, lambda x, y, w, k, n, M: M.rule("scatter", n)(
+        M.all_gather(x, n) * y)[0]),
+    "rule_all_to_all": Op("fc", True, lambda x, y, w, k, n, M: _wsum(M.rule("all_to_all", n)(
+        M.all_gather(x, n) * y).reshape(-1, x.shape[0]))),
+    "rule_ring": Op("fc", True, lambda x, y, w, k, n, M: M.rule("ring", n)(x) + y),
+    "rule_untile": Op("fc", True, lambda x, y, w, k, n, M: x + _wsum(M.rule("untile", n)(x[None]))),
+    "rule_fg": Op("fc", True, lambda x, y, w, k, n, M: M.rule("g", n)(M.rule("f", n)(x) * y) + x),
+}
+OPS.update(RULE_OPS)
+NO_ZERO_SIZE |= {"rule_scatter", "rule_all_to_all"}
+
+
 # ---------------------------------------------------------------- wrappers
 @dataclasses.dataclass(frozen=True)
 class Ctx:
@@ -266,6 +293,7 @@ WRAPPERS: dict[str, Callable] = {     # (g, x, w, e, ctx) -> g applied around x;
     "megatron_fg": _megatron_fg,
     "nested_xmap": _nested,
 }
+PER_POSITION_BRANCHES = {"cond_per_position", "switch_per_position"}
 REVERSE_MODE_UNSUPPORTED = {"while", "while_collective_pred", "while_per_position",
                             "fori_traced_bound"}      # JAX: no grad of a while loop
 FORWARD_MODE_UNSUPPORTED = {"custom_vjp", "megatron_fg"}   # JAX: no jvp of a custom_vjp
@@ -288,6 +316,10 @@ class Program:
         return f"{'∘'.join(self.wrappers)}[{','.join(self.ops)}]:{self.dtype}"
 
     @property
+    def custom_rules(self):
+        return bool(set(self.ops) & set(RULE_OPS))
+
+    @property
     def collective(self):
         return any(OPS[o].collective for o in self.ops) or any(
             w in ("fori_traced_bound", "while_collective_pred", "cond", "switch", "linear_solve",
@@ -297,14 +329,15 @@ class Program:
     def transforms(self):
         """The transformations this program can take (JAX's own limits)."""
         out = ["forward"]
-        jvp_of_custom_vjp = "custom_jvp" in self.wrappers and FORWARD_MODE_UNSUPPORTED & set(
-            self.wrappers[self.wrappers.index("custom_jvp") + 1:])   # its jvp rule would take it
+        jvp_of_custom_vjp = "custom_jvp" in self.wrappers and (self.custom_rules or (
+            FORWARD_MODE_UNSUPPORTED & set(self.wrappers[self.wrappers.index("custom_jvp") + 1:])))
+        # (its jvp rule would take it)
         if self.dtype in DIFFERENTIABLE and not jvp_of_custom_vjp:
             if not REVERSE_MODE_UNSUPPORTED & set(self.wrappers):
                 out += ["grad_inside"]
                 if "custom_vjp" not in self.wrappers:   # JAX: the bwd of a custom_vjp under
                     out += ["grad_outside"]             # grad(vmap) loses the axis name
-            if not FORWARD_MODE_UNSUPPORTED & set(self.wrappers):
+            if not FORWARD_MODE_UNSUPPORTED & set(self.wrappers) and not self.custom_rules:
                 out += ["jvp"]         # with jacfwd
         return out
 
@@ -313,6 +346,8 @@ def build(program: Program, name: str, M, inner_resources=None,
           inside_grad: bool = False) -> Callable:
     """(x, y, w, key) -> x' for one position: the chain inside the wrappers."""
     ctx = Ctx(name, M, program.branch, inner_resources or {}, inside_grad)
+    if program.custom_rules:
+        M = _with_custom_rules(M, name, inside_grad)
 
     def chain(x, w, e):
         y, key = e
@@ -329,10 +364,18 @@ def build(program: Program, name: str, M, inner_resources=None,
     return run
 
 
+def _with_custom_rules(M, name, inside_grad):
+    """``M`` with ``M.rule(kind, name)``: its custom rules over ``name``."""
+    rules = M.custom_rules(name, inside_grad)
+    attributes = {k: v for k, v in vars(M).items() if not k.startswith("__")}
+    return types.SimpleNamespace(**attributes, rule=lambda kind, n: rules[kind])
+
+
 def ops_for(dtype: str, named_size: int) -> list[str]:
     kind = KIND[dtype]
     return sorted(o for o, op in OPS.items()
-                  if kind in op.kinds and not (named_size == 0 and o in NO_ZERO_SIZE))
+                  if kind in op.kinds and not (named_size == 0 and o in NO_ZERO_SIZE)
+                  and o not in RULE_OPS)
 
 
 def wrappers_for(dtype: str) -> list[str]:
@@ -409,4 +452,40 @@ def draw_programs(rng: np.random.Generator, count: int, n: int, dtypes: list[str
         program = Program(chain, chosen, dtype, int(rng.integers(0, 3)))
         if program not in programs:
             programs.append(program)
+    return programs
+
+
+def draw_rule_programs(rng: np.random.Generator, count: int, n: int,
+                       dtypes: list[str]) -> list[Program]:
+    """``count`` programs that each apply one custom rule (cycling through
+    RULE_OPS) among 0-2 other ops, in 1-2 wrappers (cycling through those
+    that a gradient can go through: custom_jvp's jvp rule cannot take a
+    custom_vjp, nor reverse mode a while loop; and not a cond or switch whose
+    branch differs per position, around which JAX 0.10's derivative of a
+    collective under jax.vmap, the reference, is not the derivative of the
+    program: tests/oracle/test_oracle_custom_rules.py)."""
+    programs: list[Program] = []
+    rule_pool, wrapper_pool = [], []
+    for i in range(count):
+        dtype = dtypes[i % len(dtypes)]
+        if not rule_pool:
+            rule_pool = [str(r) for r in rng.permutation(sorted(RULE_OPS))]
+        # (in 16-bit floats, rounding decides which element an extremum's
+        # gradient goes to: the reference's and nxops' may differ)
+        pool = [o for o in ops_for(dtype, n) if not (dtype in ("bf16", "f16") and o in NO_IDENTITY)]
+        others = [str(o) for o in rng.choice(pool, int(rng.integers(0, 3)))]
+        chain = list(others)
+        chain.insert(int(rng.integers(0, len(chain) + 1)), rule_pool.pop())
+        allowed = [w for w in wrappers_for(dtype)
+                   if w not in REVERSE_MODE_UNSUPPORTED | PER_POSITION_BRANCHES
+                   and w != "custom_jvp"]
+        if not wrapper_pool:
+            wrapper_pool = [str(w) for w in rng.permutation(allowed)]
+        first = wrapper_pool.pop()
+        if first not in allowed:      # the pool is of another dtype's wrappers
+            first = str(rng.choice(allowed))
+        inner = [w for w in allowed if w not in ("plain", first)]
+        wrappers = (first,) if rng.random() < 0.7 or first == "plain" else (
+            first, str(rng.choice(inner)))
+        programs.append(Program(tuple(chain), wrappers, dtype, int(rng.integers(0, 3))))
     return programs

@@ -13,6 +13,7 @@ gradient stays per position) with no rule of its own.
 from __future__ import annotations
 
 import re
+import sys
 import types
 
 import jax
@@ -186,3 +187,42 @@ def fg(name, inside_grad):
         return fg_operators(psum, name)
     f = lambda v: lax.stop_gradient(v) + psum(v, name) - lax.stop_gradient(psum(v, name))
     return f, lambda v: psum(v, name)
+
+
+def custom_rules(name, inside_grad):
+    """The custom rules of tests/_sequence_parallel.py and Megatron's f/g as
+    the positional program means them. Inside a gradient, JAX differentiates
+    the custom_vjps themselves (per position), written with lax's
+    collectives: with this module's, built on all_gather, a rule's gradient
+    inside a per-position lax.switch under jax.vmap comes out zero at the
+    positions of one branch (JAX 0.10; lax's own agree with nxops there).
+    Outside, JAX cannot (a bwd's collective finds the name unbound under grad
+    of vmap), so here each is its forward with the derivative its bwd means
+    there (docs/xmap.md), for an operand that varies along the name: a result
+    that does not vary (the gather's, untile's, g's) hands its bwd its whole
+    cotangent, the sum of the positions' cotangents, which JAX's transposes
+    of all_gather and psum under vmap also sum. So every rule differentiates
+    as its forward, except the gather, whose psum_scatter sums that whole
+    cotangent over the name again (the size of the name times all_gather's
+    transpose), and f, whose bwd is a psum (psum's transpose)."""
+    from tests._megatron import fg_operators
+    from tests._sequence_parallel import LAX, sequence_parallel_operators
+    if inside_grad:
+        f, g = fg_operators(lax.psum, name)
+        return {**sequence_parallel_operators(LAX, name), "f": f, "g": g}
+    rules = sequence_parallel_operators(sys.modules[__name__], name)
+    forward = {kind: rule.fun for kind, rule in rules.items()}   # the custom_vjp's function
+    return {
+        **{kind: forward[kind] for kind in ("scatter", "all_to_all", "ring", "untile")},
+        "gather": _differentiated_as(forward["gather"],
+                                     lambda v: axis_size(name) * forward["gather"](v)),
+        "f": _differentiated_as(lambda v: v, lambda v: psum(v, name)),
+        "g": lambda v: psum(v, name),
+    }
+
+
+def _differentiated_as(forward, linear):
+    """``forward``'s value with ``linear``'s derivative."""
+    def op(v):
+        return lax.stop_gradient(forward(v)) + linear(v) - lax.stop_gradient(linear(v))
+    return op

@@ -13,30 +13,10 @@ import pytest
 from jax import lax
 
 import nxops as nx
+from tests._sequence_parallel import LAX, ring, sequence_parallel_operators
 
 B, S = 2, 4   # sizes of 'b' (batch) and 's' (the sequence-parallel name)
-RING = [(i, (i + 1) % S) for i in range(S)]
-BACK = [(d, s) for s, d in RING]
-
-
-class _Lax:
-    """The lax spelling of the nx collectives the rules use (for jax.vmap)."""
-    all_gather = staticmethod(lax.all_gather)
-    psum_scatter = staticmethod(lax.psum_scatter)
-    all_to_all = staticmethod(lambda x, name, split, concat, tiled: lax.all_to_all(
-        x, name, split, concat, tiled=tiled))
-    ppermute = staticmethod(lax.ppermute)
-
-    @staticmethod
-    def untile(x, axes):
-        (name, dim), = axes.items()
-        return lax.all_gather(x, name, axis=dim, tiled=True)
-
-    @staticmethod
-    def tile(x, axes):
-        (name, dim), = axes.items()
-        size = x.shape[dim] // lax.axis_size(name)
-        return lax.dynamic_slice_in_dim(x, lax.axis_index(name) * size, size, dim)
+RING = ring(S)
 
 
 class _Nx:
@@ -47,29 +27,12 @@ class _Nx:
     ppermute = staticmethod(nx.ppermute)
     untile = staticmethod(nx.untile)
     tile = staticmethod(nx.tile)
-
-
-def custom_rule(forward, backward):
-    """A custom_vjp operator: ``forward`` its value, ``backward`` its bwd."""
-    @jax.custom_vjp
-    def op(x):
-        return forward(x)
-    op.defvjp(lambda x: (op(x), None), lambda _, ct: (backward(ct),))
-    return op
+    axis_size = staticmethod(nx.axis_size)
 
 
 def operators(c) -> dict:
-    """The rules, written with the collectives of ``c`` (_Nx or _Lax) over 's'."""
-    return {
-        "gather": custom_rule(lambda x: c.all_gather(x, "s", axis=0, tiled=True),
-                              lambda t: c.psum_scatter(t, "s", scatter_dimension=0, tiled=True)),
-        "scatter": custom_rule(lambda x: c.psum_scatter(x, "s", scatter_dimension=0, tiled=True),
-                               lambda t: c.all_gather(t, "s", axis=0, tiled=True)),
-        "all_to_all": custom_rule(lambda x: c.all_to_all(x, "s", 0, 1, True),
-                                  lambda t: c.all_to_all(t, "s", 1, 0, True)),
-        "ring": custom_rule(lambda x: c.ppermute(x, "s", RING), lambda t: c.ppermute(t, "s", BACK)),
-        "untile": custom_rule(lambda x: c.untile(x, {"s": 0}), lambda t: c.tile(t, {"s": 0})),
-    }
+    """The rules, written with the collectives of ``c`` (_Nx or LAX) over 's'."""
+    return sequence_parallel_operators(c, "s")
 
 
 OPS = list(operators(_Nx))
@@ -159,7 +122,7 @@ def test_gradient_inside_the_body_is_jax_vmaps_on_every_placement(op_name, name,
         loss = _loss(operators(c)[op_name])
         return lambda x, w: jax.grad(loss, argnums=(0, 1))(x, w)
 
-    want = _positional(body(_Lax), (0, None))(x, w)
+    want = _positional(body(LAX), (0, None))(x, w)
     f = nx.xmap(body(_Nx), [["b", "s", ...], [...]], (["b", "s", ...], ["b", "s", ...]),
                 axis_resources=resources)
     with jax.set_mesh(jax.make_mesh((2, 4), ("x", "y"))):
