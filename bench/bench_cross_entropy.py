@@ -123,7 +123,8 @@ LAYOUTS = {"vocab": ((VOCAB_DEVICES,), ("v",), vocab_parallel, P()),
 # --- compiling and reading ---------------------------------------------------
 
 
-def operand_structs(size: Size, mesh=None, tokens_spec=P()):
+def operand_structs(size: Size, mesh=None, tokens_spec=None):
+    tokens_spec = P() if tokens_spec is None else tokens_spec
     sharding = (lambda spec: NamedSharding(mesh, spec)) if mesh is not None else (lambda spec: None)
     return (jax.ShapeDtypeStruct((size.tokens, size.hidden), size.dtype,
                                  sharding=sharding(tokens_spec)),

@@ -15,7 +15,6 @@ kernel that does not take a dtype); any other exception is a failure.
 """
 from __future__ import annotations
 
-import math
 
 import jax
 import jax.numpy as jnp
