@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 from typing import Callable
 
+import jax
 from jax import lax
 
 # Primitive machinery (ops/_primitive.py): the impl of a primitive through
@@ -290,3 +291,10 @@ def bound_axis_sizes(sizes: dict):
     import contextlib
     extend = getattr(core, "extend_axis_env_nd", None)
     return extend(list(sizes.items())) if extend is not None and sizes else contextlib.nullcontext()
+
+
+def eval_closed_jaxpr(closed, *args) -> list:
+    """``closed`` (a ClosedJaxpr) evaluated on ``args`` in the trace in
+    scope: each equation bound again, custom_jvp/custom_vjp calls with their
+    rules (how xmap reuses the one trace of a body)."""
+    return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args)

@@ -12,8 +12,12 @@ restricted to the tags not yet consumed by enclosing levels.
 A named axis gets a vmap level, so vmap's own batching tells which outputs
 vary along it, unless mesh axes alone carry it (``AxisPlan.vmapped``): its
 size-1 tile dimension is then squeezed away (a size-1 vmap costs transposes
-and copies in the compiled program), and the variance walk of the body
-(``_variance.analyse_body``) tells which outputs vary along it.
+and copies in the compiled program), and a walk of the program's jaxpr
+(``_custom_rules.walk_program``) tells which outputs vary along it.
+
+The user's body is traced once per lowering: the program over mesh axes is
+traced to a jaxpr that is walked and then evaluated, and a serial loop's step
+is traced to a jaxpr that its scan evaluates.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+from nxops._jax import eval_closed_jaxpr
 from nxops._jax import infer_out_axes as _infer_out_axes
 from nxops._jax import pin_constant as _pin_constant
 from nxops._jax import spmd_axis_names
@@ -37,7 +42,7 @@ from nxops.kernels.xla.collectives import CPU_UNSAFE_DTYPES
 from nxops.ops._axis_env import (InternalAxisName, TileAxisName, collect_custom_calls,
                                       loop_step, varies_hint)
 from nxops.ops._axis_env import mesh_platform as _mesh_platform
-from nxops.xmap._custom_rules import trace_with_typed_custom_rules
+from nxops.xmap._custom_rules import walk_program
 from nxops.xmap._plan import Plan, check_shared_resources
 from nxops.xmap._raw_lax import raw_lax_error
 from nxops.xmap._specs import AxisSpec, broadcast_specs, check_output_rank
@@ -171,9 +176,11 @@ def _tile_level(plan: Plan, name: str, inner: Inner, outputs: _Outputs) -> Inner
     return level
 
 
-def _squeeze_level(name: str, inner: Inner, outputs: _Outputs, variance: list) -> Inner:
+def _squeeze_level(name: str, inner: Inner, outputs: _Outputs) -> Inner:
     """A name carried by mesh axes alone: its size-1 tile dimension is dropped
-    from the inputs and put back into the results (reshapes, no vmap)."""
+    from the inputs and put back into the results (reshapes, no vmap). Whether
+    a result varies along the name is learned from the program's jaxpr
+    (``check_unvmapped_variance``)."""
     tag = TileTag(name)
 
     def level(flat: list, layouts: list) -> tuple[list, list]:
@@ -183,8 +190,6 @@ def _squeeze_level(name: str, inner: Inner, outputs: _Outputs, variance: list) -
         new_outs, new_layouts = [], []
         for j, (x, lay) in enumerate(zip(outs, inner_layouts)):
             if tag not in outputs.layouts[j]:
-                if name in variance[j]:
-                    raise _varies_error(outputs, j, name)
                 new_outs.append(x)
                 new_layouts.append(lay)
                 continue
@@ -193,6 +198,18 @@ def _squeeze_level(name: str, inner: Inner, outputs: _Outputs, variance: list) -
             new_layouts.append(target)
         return new_outs, new_layouts
     return level
+
+
+def check_unvmapped_variance(plan: Plan, outputs: _Outputs, varies_along) -> None:
+    """Raises for a result that varies along a name without a vmap level
+    which its out_axes omit. ``varies_along(j, axis)``: whether result ``j``
+    varies along the plan's ``axis``."""
+    for axis in reversed(plan.axes):   # the innermost level first, as vmap levels raise
+        if axis.vmapped:
+            continue
+        for j, layout in enumerate(outputs.layouts):
+            if TileTag(axis.name) not in layout and varies_along(j, axis):
+                raise _varies_error(outputs, j, axis.name)
 
 
 def _zeros_like_aval(aval):
@@ -262,12 +279,17 @@ def _loop_level(loop, inner: Inner, outputs: _Outputs) -> Inner:
 
         # Outputs along the loop's names are stacked (scan's ys); the others do
         # not vary along them and are carried (their shapes come from one step).
+        # The step is traced once, to a jaxpr that scan's step evaluates: the
+        # body is not called again.
         steps = jnp.arange(loop.length, dtype=jnp.int32)
-        step_avals = jax.eval_shape(one_step, steps[0], [x[0] for x in xs])
+        step_jaxpr = jax.make_jaxpr(one_step)(steps[0], [x[0] for x in xs])
+        step_avals = step_jaxpr.out_avals
         stacked = [tag in outputs.layouts[j] for j in range(len(step_avals))]
 
         def step(carry, index_and_xs):
-            outs = one_step(*index_and_xs)
+            pinned = _pin_constants()  # noqa: F841 - alive while the step is traced
+            index, xs_step = index_and_xs
+            outs = eval_closed_jaxpr(step_jaxpr, index, *xs_step)
             return ([o for o, s in zip(outs, stacked) if not s],
                     [o for o, s in zip(outs, stacked) if s])
 
@@ -386,15 +408,16 @@ def build_program(body: Callable, plan: Plan, in_tree, in_specs: list[AxisSpec],
                   variance: list | None = None) -> tuple[Callable, _Outputs]:
     """``program(*flat_args) -> flat results``; the returned ``_Outputs`` is filled
     in when the program is traced (its ``tree`` unflattens the results).
-    ``variance``: the names each result varies along (``_variance.analyse_body``),
-    needed when some name has no vmap level."""
+    ``variance``: the logical names each result varies along, when a plan
+    whose names share a resource was analysed (``_variance.analyse_shared``);
+    otherwise the walk of the program's jaxpr tells (in mesh axes)."""
     outputs = _Outputs()
     inner: Inner = _body_level(body, in_tree, plan, out_axes, user_out_axes, outputs)
     for axis in reversed(plan.axes):
         if axis.vmapped:
             inner = _tile_level(plan, axis.name, inner, outputs)
         else:
-            inner = _squeeze_level(axis.name, inner, outputs, variance)
+            inner = _squeeze_level(axis.name, inner, outputs)
     for loop in reversed(plan.loops):
         inner = _loop_level(loop, inner, outputs)
 
@@ -407,7 +430,7 @@ def build_program(body: Callable, plan: Plan, in_tree, in_specs: list[AxisSpec],
 
     if plan.mesh is None:
         return local_program, outputs
-    return _over_mesh(local_program, plan, in_specs, outputs), outputs
+    return _over_mesh(local_program, plan, in_specs, outputs, variance), outputs
 
 
 def _local_shape(shape: Sequence[int], pspec, mesh) -> tuple[int, ...]:
@@ -421,7 +444,7 @@ def _local_shape(shape: Sequence[int], pspec, mesh) -> tuple[int, ...]:
 
 
 def _over_mesh(local_program: Callable, plan: Plan, in_specs: list[AxisSpec],
-               outputs: _Outputs) -> Callable:
+               outputs: _Outputs, variance: list | None) -> Callable:
     """``local_program`` run under ``jax.shard_map`` over the plan's mesh axes
     (inputs moved to the plan's sharding first, unless already inside a manual
     region)."""
@@ -458,7 +481,7 @@ def _over_mesh(local_program: Callable, plan: Plan, in_specs: list[AxisSpec],
                     for x, e in zip(flat, empty)]
             arg_mesh_axes = [() if e is not None else _pspec_axes(plan.partition_spec(s, x.ndim))
                              for x, s, e in zip(flat, in_specs, empty)]
-            results = _run_body(local_program, args, typed[0], plan, arg_mesh_axes)
+            results = _run_body(local_program, args, plan, arg_mesh_axes, outputs, variance)
             pspecs = [plan.partition_spec(s, x.ndim) for x, s in zip(results, outputs.specs)]
             empty_results[:] = [_empty_global(x, p, plan.mesh) for x, p in zip(results, pspecs)]
             out_specs[:] = [p for p, e in zip(pspecs, empty_results) if e is None]
@@ -476,12 +499,7 @@ def _over_mesh(local_program: Callable, plan: Plan, in_specs: list[AxisSpec],
                                       axis_names=axis_names, check_vma=False)(
                                           *[x for x, _ in passed]))
 
-        typed = [False]   # set when a custom_vjp needs its bwd's cotangents converted
-        try:
-            results = over_mesh()
-        except _TypedCustomRules:
-            typed[0] = True
-            results = over_mesh()
+        results = over_mesh()
         results = [next(results) if e is None else jnp.zeros(e.shape, e.dtype)
                    for e in empty_results]
         if manual or spmd_axis_names():
@@ -503,24 +521,38 @@ def constrain_on_auto_mesh(x, plan: Plan, spec: AxisSpec):
     return lax.with_sharding_constraint(x, NamedSharding(mesh, pspec))
 
 
-class _TypedCustomRules(Exception):
-    """Internal: the body's first trace found a custom_vjp whose primal runs a
-    named op over mesh axes; it is traced again, the second way of _run_body."""
+class NeedsVmapLevels(Exception):
+    """Internal: a cond's branches differ per device around a collective over
+    mesh axes of a name without a vmap level; the plan needs vmap levels
+    (under which such a cond is batched: every branch runs, a select)."""
 
 
-def _run_body(local_program: Callable, args: list, typed: bool, plan: Plan,
-              in_mesh_axes: list) -> list:
-    """``local_program(*args)`` inside the shard_map. A custom_vjp whose primal
-    runs a named op over mesh axes needs to know which mesh axes its operands
-    and results vary along, for a jax.grad outside the xmap (_custom_rules.py):
-    the body is then traced again, once to a jaxpr that a walk reads."""
-    if typed:
-        return trace_with_typed_custom_rules(local_program, args, in_mesh_axes, plan.mesh_axes)
+def _run_body(local_program: Callable, args: list, plan: Plan, in_mesh_axes: list,
+              outputs: _Outputs, variance: list | None) -> list:
+    """``local_program(*args)`` inside the shard_map: traced once to a jaxpr,
+    which a walk reads (``_custom_rules.walk_program``), then evaluated.
+
+    The walk tells which mesh axes each result varies along (for names
+    without a vmap level), refuses while loops whose trip count differs
+    across the devices of a collective, and, when a custom_vjp's primal runs
+    a named op over mesh axes, tells each custom_vjp call which mesh axes its
+    operands and results vary along, for a jax.grad outside the xmap."""
+    def pinned_program(*local):
+        pinned = _pin_constants()  # noqa: F841 - alive while the program is traced
+        return local_program(*local)
+
     with collect_custom_calls() as calls:
-        results = local_program(*args)
-    if any(call.kind == "custom_vjp" and call.primal_mesh_op is not None for call in calls):
-        raise _TypedCustomRules()
-    return results
+        closed = jax.make_jaxpr(pinned_program)(*args)
+    typed = any(call.kind == "custom_vjp" and call.primal_mesh_op is not None for call in calls)
+    mesh_variance, branches_per_device = walk_program(closed.jaxpr, in_mesh_axes, plan, typed)
+    if branches_per_device and plan.unvmapped():
+        raise NeedsVmapLevels()
+    if variance is None:
+        check_unvmapped_variance(plan, outputs, lambda j, axis: any(
+            m in mesh_variance[j] for m in axis.mesh_axes))
+    else:
+        check_unvmapped_variance(plan, outputs, lambda j, axis: axis.name in variance[j])
+    return eval_closed_jaxpr(closed, *args)
 
 
 def _pspec_axes(pspec) -> tuple:

@@ -11,17 +11,16 @@ them once, when it is made: the body is traced to a jaxpr with each logical
 name bound as a plain named axis, and the set of names every value varies
 along is propagated through it (names only, no data).
 
-The same walk tells which names each result varies along. A name carried by
-mesh axes alone runs without a vmap level (``_program.py``), so no ``vmap``
-reports whether a result varies along it; the walk does, so that a result
-whose ``out_axes`` omit such a name and that varies along it is still an error.
-
-Only plans where two names share a resource, or with a name on mesh axes
-alone, pay for this trace, and plans over mesh axes whose program traced a
-named op over mesh axes inside a ``lax.while_loop``: a loop whose predicate
-varies along a name mapped to mesh axes runs a different trip count on those
-devices, and a collective over them inside it would deadlock (XLA:CPU aborts
-after a rendezvous timeout; GPUs and TPUs hang). The same walk refuses that.
+Only plans where two names share a resource pay for this trace. Every plan
+over mesh axes walks the jaxpr of its program's one trace instead, in mesh
+axes (``_custom_rules.walk_program``): a name carried by mesh axes alone runs
+without a vmap level (``_program.py``), so no ``vmap`` reports whether a
+result varies along it; the walk does, so that a result whose ``out_axes``
+omit such a name and that varies along it is still an error. The same walk
+refuses a ``lax.while_loop`` whose predicate varies along mesh axes with a
+collective across them inside: the devices would run different trip counts
+and the collective deadlock (XLA:CPU aborts after a rendezvous timeout; GPUs
+and TPUs hang).
 """
 from __future__ import annotations
 
@@ -63,31 +62,19 @@ def shared_resources(plan: Plan) -> dict[frozenset, Any]:
     return shared
 
 
-def analyse_body(body: Callable, plan: Plan, in_tree, flat_args: Sequence,
-                 flat_specs: Sequence[AxisSpec]) -> list[Names] | None:
-    """The names each flattened result of ``body`` varies along.
+def analyse_shared(body: Callable, plan: Plan, in_tree, flat_args: Sequence,
+                   flat_specs: Sequence[AxisSpec]) -> list[Names] | None:
+    """The names each flattened result of ``body`` varies along, for a plan
+    where two names share a resource (None, without tracing, for any other).
 
     Raises NxopsError if a value varies along two names that share a resource,
     or a collective over one of them takes a value varying along the other.
-    Returns None, without tracing, when no names share a resource and every
-    name has a vmap level; also None when the body does not trace on one
-    instance with the names bound as plain axes (e.g. it calls ``lax.psum``
-    over a mesh axis): the program's own trace then reports any error."""
+    Also None when the body does not trace on one instance with the names
+    bound as plain axes (e.g. it calls ``lax.psum`` over a mesh axis): the
+    program's own trace then reports any error."""
     shared = shared_resources(plan)
-    if not shared and not plan.unvmapped():
+    if not shared:
         return None
-    return _analyze(body, plan, in_tree, flat_args, flat_specs, shared)
-
-
-def check_uniform_trip_counts(body: Callable, plan: Plan, in_tree, flat_args: Sequence,
-                              flat_specs: Sequence[AxisSpec]) -> None:
-    """Raises NxopsError if a ``lax.while_loop`` of ``body`` whose predicate
-    varies along a name mapped to mesh axes holds a collective over those
-    axes (the devices would run different trip counts: a deadlock)."""
-    _analyze(body, plan, in_tree, flat_args, flat_specs, shared_resources(plan))
-
-
-def _analyze(body, plan: Plan, in_tree, flat_args, flat_specs, shared) -> list[Names] | None:
     try:
         jaxpr = _trace_per_instance(body, plan, in_tree, flat_args, flat_specs)
     except Exception:  # a use of the names, or the body's own error
@@ -165,8 +152,11 @@ class _Analysis:
 
     def __init__(self, logical: dict, shared: dict[frozenset, Any],
                  mesh_axes: dict[str, tuple[str, ...]] | None = None,
-                 on_custom_vjp: Callable | None = None):
+                 on_custom_vjp: Callable | None = None, shown: dict | None = None):
         self._logical = logical   # physical (vmap) name -> logical name
+        # A walk in mesh axes names them in its errors by the plan's names:
+        # mesh axis -> (logical name, that name's mesh axes).
+        self._shown = shown or {}
         # Called with (eqn, operand names, result names) at each custom_vjp call.
         self._on_custom_vjp = on_custom_vjp
         self._shared = shared
@@ -290,12 +280,14 @@ class _Analysis:
         for eqn, names in self._collectives(jaxprs):
             spanned = [m for n in names for m in self._mesh_axes.get(n, ()) if m in varying]
             if spanned:
-                name = varying[spanned[0]]
+                name, name_axes = self._shown.get(varying[spanned[0]], (
+                    varying[spanned[0]], self._mesh_axes[varying[spanned[0]]]))
+                over = sorted({self._shown.get(n, (n,))[0] for n in names})
                 raise NxopsError(
                     f"A lax.while_loop in the xmapped function{_where(loop_eqn)} has a "
                     f"predicate that varies along {name!r}, which axis_resources maps to mesh "
-                    f"axes {self._mesh_axes[name]}, and inside it {eqn.primitive.name} over "
-                    f"{', '.join(map(repr, sorted(names)))}{_where(eqn)} communicates across "
+                    f"axes {name_axes}, and inside it {eqn.primitive.name} over "
+                    f"{', '.join(map(repr, over))}{_where(eqn)} communicates across "
                     f"mesh axis {spanned[0]!r}. The devices along it would run different trip "
                     f"counts and the collective would deadlock (a hang on GPU/TPU, an abort "
                     f"on CPU). Make the trip count uniform (compute the predicate from values "

@@ -21,18 +21,17 @@ from nxops._errors import NxopsError
 from nxops._traceback import api_boundary
 from nxops._platforms import normalize_platform
 from nxops._typing import AxisResources
-from nxops.ops._axis_env import (current_logical_axes, current_logical_axes_map, logical_axes,
-                                  watch_mesh_ops_in_while)
+from nxops.ops._axis_env import current_logical_axes, current_logical_axes_map, logical_axes
 from nxops.xmap._plan import (Plan, check_shared_resources, mesh_in_scope,
                               normalize_axis_resources, off_mesh, plan_axis_resources)
-from nxops.xmap._program import (build_program, constrain_on_auto_mesh, explicit_mesh_constants,
-                                 pinned_constants)
+from nxops.xmap._program import (NeedsVmapLevels, build_program, constrain_on_auto_mesh,
+                                 explicit_mesh_constants, pinned_constants)
 from nxops.xmap._resources import loops_in_scope
 from nxops.xmap._rules import check_rules, current_axis_rules, resources_from_rules
 from nxops.xmap._specs import (AxisSpec, broadcast_specs, infer_axis_sizes, parse_spec_tree,
                                spec_names)
-from nxops.xmap._variance import (analyse_body, check_uniform_trip_counts, closed_over_constants,
-                                  runs_without)
+from nxops.xmap._variance import (analyse_shared, closed_over_constants, runs_without,
+                                  shared_resources)
 
 # The meshes in scope when the enclosing xmap was called (None: no enclosing xmap).
 _ENCLOSING_MESH: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
@@ -247,25 +246,20 @@ class XmapFunction:
                 with _enclosing_mesh():
                     self._check_body_uses(plan, args, flat_specs)
             with _enclosing_mesh():
-                variance = analyse_body(self._fun, plan, jax.tree.structure(args),
-                                        jax.tree.leaves(args), flat_specs)
-            if variance is None and plan.unvmapped():
+                variance = analyse_shared(self._fun, plan, jax.tree.structure(args),
+                                          jax.tree.leaves(args), flat_specs)
+            if variance is None and shared_resources(plan) and plan.unvmapped():
                 plan = plan.with_vmap_levels()   # vmap then tells what varies
-            program, outputs = build_program(self._fun, plan, jax.tree.structure(args),
-                                             flat_specs, self._out_axes, self._user_out_axes,
-                                             variance)
-            tree, leaves = jax.tree.structure(args), jax.tree.leaves(args)
-            with logical_axes(plan.logical_axes()), _enclosing_mesh(), \
-                    watch_mesh_ops_in_while() as mesh_ops_in_while:
-                results = self._trace(program, plan, tree, leaves, flat_specs, nested)
+            try:
+                results, outputs = self._traced_program(plan, args, flat_specs, variance, nested)
+            except NeedsVmapLevels:   # rare: the body's one more trace
+                results, outputs = self._traced_program(plan.with_vmap_levels(), args,
+                                                        flat_specs, variance, nested)
             if nested:
                 results = [_unsharded_type(x) for x in results]
             elif plan.mesh is None and not spmd_axis_names():   # (else _program constrains)
                 results = [constrain_on_auto_mesh(x, plan, s)
                            for x, s in zip(results, outputs.specs)]
-            if mesh_ops_in_while and plan.mesh is not None:   # rare: one more trace
-                with _enclosing_mesh():
-                    check_uniform_trip_counts(self._fun, plan, tree, leaves, flat_specs)
             return jax.tree.unflatten(outputs.tree, results)
 
         run.__name__ = getattr(self._fun, "__name__", "xmapped")
@@ -275,6 +269,14 @@ class XmapFunction:
         if mesh is None or _names_mesh_axes(resources, mesh) or jax.process_count() > 1:
             return on_mesh
         return _OffMesh(mesh, jitted, on_mesh)
+
+    def _traced_program(self, plan: Plan, args: tuple, flat_specs: list, variance, nested: bool):
+        """The plan's program traced on ``args``: (flat results, its _Outputs)."""
+        tree, leaves = jax.tree.structure(args), jax.tree.leaves(args)
+        program, outputs = build_program(self._fun, plan, tree, flat_specs, self._out_axes,
+                                         self._user_out_axes, variance)
+        with logical_axes(plan.logical_axes()), _enclosing_mesh():
+            return self._trace(program, plan, tree, leaves, flat_specs, nested), outputs
 
     def _check_body_uses(self, plan: Plan, args: tuple, flat_specs: list) -> None:
         """A name that only ``axis_sizes`` gives and that the body does not use
@@ -296,7 +298,7 @@ class XmapFunction:
         shard_map: typed on the body's mesh (see ``_jax.pin_constant``)."""
         try:
             return program(*leaves)
-        except NxopsError:
+        except (NxopsError, NeedsVmapLevels):
             raise
         except Exception as e:
             if plan.mesh is None:
