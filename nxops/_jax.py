@@ -298,3 +298,15 @@ def eval_closed_jaxpr(closed, *args) -> list:
     scope: each equation bound again, custom_jvp/custom_vjp calls with their
     rules (how xmap reuses the one trace of a body)."""
     return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
+
+
+def staging_into_jaxpr() -> bool:
+    """Whether the trace in scope stages into a jaxpr (jax.jit, a lax control
+    flow body, make_jaxpr), directly or under transformations (jax.grad,
+    jax.vmap): not an eager transformation, whose ops run as they come."""
+    trace = core.trace_ctx.trace
+    while trace is not None:
+        if isinstance(trace, pe.DynamicJaxprTrace):
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False

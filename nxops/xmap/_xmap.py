@@ -17,6 +17,7 @@ from nxops._jax import device_context as _device_context     # what jax.set_mesh
 from nxops._jax import legacy_mesh_context as _legacy_meshes   # what `with mesh:` sets
 from nxops._jax import mesh_lib as _mesh_lib
 from nxops._jax import spmd_axis_names
+from nxops._jax import staging_into_jaxpr as _staging_into_jaxpr
 from nxops._errors import NxopsError
 from nxops._traceback import api_boundary
 from nxops._platforms import normalize_platform
@@ -101,8 +102,9 @@ class XmapFunction:
             _hashable_tree(self._in_axes), _hashable_tree(self._out_axes),
             tuple(sorted(self._axis_sizes.items())), tuple(sorted(self._resources.items())),
             self._donate_argnums, backend))
-        # (context probe, its jitted program) of the last call; () matches no probe.
-        self._last_context: tuple = ((), None)
+        # (context probe, its jitted program, the program to trace inline) of
+        # the last call; () matches no probe.
+        self._last_context: tuple = ((), None, None)
         functools.update_wrapper(self, fun, updated=())   # not __dict__: fun may be an xmap
 
     def __repr__(self) -> str:
@@ -118,9 +120,11 @@ class XmapFunction:
         # compare checks identity first) reuse its jitted program.
         probe = (_device_context.value, _legacy_meshes.value,   # _context_probe,
                  loops_in_scope(), current_logical_axes_map(), current_axis_rules())  # inlined
-        last_probe, jitted = self._last_context
+        last_probe, jitted, traced = self._last_context
         if probe != last_probe:
-            jitted = self._jitted_for(probe)
+            jitted, traced = self._jitted_for(probe)
+        if _staging_into_jaxpr():
+            return self._call_traced(traced, args)
         try:
             return jitted(*args)
         except _InputsOnAnotherMesh as e:
@@ -159,6 +163,19 @@ class XmapFunction:
         # Inputs committed to devices other than the mesh's: move them, then retry.
         return jitted(*self._place_on_mesh(args))
 
+    def _call_traced(self, traced: Callable, args: tuple) -> Any:
+        """The program traced inline into the enclosing trace (a jax.jit,
+        jax.grad, ...), with no jit of its own: a nested jit would be traced,
+        then linearized and lowered as a second function, and the enclosing
+        transformation caches the whole trace anyway."""
+        error = _non_array_argument_error(args)
+        if error is not None:
+            raise error
+        try:
+            return traced(*jax.tree.map(_as_array, args))
+        except _InputsOnAnotherMesh as e:
+            raise NxopsError(str(e)) from None
+
     @api_boundary
     def lower(self, *args: Any) -> jax.stages.Lowered:
         """Lowers for these arguments (``.compile()``, ``.as_text()``, ...).
@@ -170,7 +187,7 @@ class XmapFunction:
             [4. 4. 4.]
         """
         try:
-            return self._jitted().lower(*self._typed_per_plan(self._place_on_mesh(args)))
+            return self._jitted()[0].lower(*self._typed_per_plan(self._place_on_mesh(args)))
         except _InputsOnAnotherMesh as e:
             raise NxopsError(str(e)) from None
         except TypeError as e:
@@ -225,18 +242,20 @@ class XmapFunction:
         # Whether jax.set_mesh is unset (the legacy `with mesh:` alone) is part
         # of the key: the program is then wrapped to call it under the mesh.
         key = (mesh_in_scope(), _concrete_mesh_unset(), loops, tuple(names.items()), rules)
-        jitted = self._by_context.get(key)
-        if jitted is None:
-            jitted = self._by_context[key] = self._make_jitted(key[0], self._resources_for(rules))
-        self._last_context = (probe, jitted)
-        return jitted
+        programs = self._by_context.get(key)
+        if programs is None:
+            programs = self._by_context[key] = self._make_jitted(key[0], self._resources_for(rules))
+        self._last_context = (probe, *programs)
+        return programs
 
     def _resources_for(self, rules) -> dict:
         if not rules:
             return self._resources
         return normalize_axis_resources(resources_from_rules(self._names, rules), self._names)
 
-    def _make_jitted(self, mesh: Mesh | None, resources: dict):
+    def _make_jitted(self, mesh: Mesh | None, resources: dict) -> tuple[Callable, Callable]:
+        """(the jitted program for a call outside any trace, the function it
+        jits, for a call inside one)."""
         def run(*args):
             nested = _ENCLOSING_MESH.get() is not None
             plan, flat_specs = self._plan(args, mesh, resources)
@@ -267,8 +286,8 @@ class XmapFunction:
         jitted = jax.jit(run, donate_argnums=self._donate_argnums, **jit_kwargs)
         on_mesh = jitted if mesh is None or not _concrete_mesh_unset() else _UnderMesh(mesh, jitted)
         if mesh is None or _names_mesh_axes(resources, mesh) or jax.process_count() > 1:
-            return on_mesh
-        return _OffMesh(mesh, jitted, on_mesh)
+            return on_mesh, run
+        return _OffMesh(mesh, jitted, on_mesh), run
 
     def _traced_program(self, plan: Plan, args: tuple, flat_specs: list, variance, nested: bool):
         """The plan's program traced on ``args``: (flat results, its _Outputs)."""
@@ -605,6 +624,11 @@ def _shared_jits(fun: Callable, definition: tuple) -> dict:
         return _SHARED.setdefault(fun, {}).setdefault(definition, {})
     except TypeError:   # fun not weak-referenceable, or a definition part unhashable
         return {}
+
+
+def _as_array(x: Any) -> Any:
+    """An argument as jax.jit passes it on (Python scalars weakly typed)."""
+    return x if isinstance(x, jax.Array) else jax.numpy.asarray(x)
 
 
 def _quote(spec: Any) -> str:
