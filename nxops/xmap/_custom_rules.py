@@ -18,7 +18,7 @@ mesh axes xmap converts at the custom call (docs/xmap.md, "Custom rules"):
   resources the positions' values are summed, which the parts then do).
 
 Which values vary along which mesh axes comes from a walk of the body's jaxpr
-(``_variance._Analysis``); only bodies whose custom calls run a named op over
+(``_varying.VaryingWalk``); only bodies whose custom calls run a named op over
 mesh axes in their primal get their bwd converted. The walk reads the jaxpr
 of the one trace of the body (``walk_program``); it does not call the body.
 """
@@ -34,7 +34,7 @@ from nxops._jax import bwd_cotangents, custom_rule_wrappers
 from nxops.kernels.xla import collectives as xla_collectives
 from nxops.ops._axis_env import mesh_platform as _mesh_platform
 from nxops.ops._axis_env import CustomCall
-from nxops.xmap._variance import Names, _Analysis, _open
+from nxops.xmap._varying import Names, VaryingWalk, open_jaxpr
 
 
 def _float(x) -> bool:
@@ -52,7 +52,7 @@ def walk_program(jaxpr, in_mesh_axes: Sequence, plan, typed: bool) -> tuple[list
     ``in_mesh_axes``: the mesh axes each input varies along."""
     mesh_axes = plan.mesh_axes
     shown = {m: (a.name, a.mesh_axes) for a in plan.axes for m in a.mesh_axes}
-    analysis = _Analysis({m: m for m in mesh_axes}, {}, {m: (m,) for m in mesh_axes},
+    analysis = VaryingWalk({m: m for m in mesh_axes}, {}, {m: (m,) for m in mesh_axes},
                          on_custom_vjp=_annotate if typed else None, shown=shown)
     results = analysis.run(jaxpr, [Names(a) for a in in_mesh_axes])
     return results, analysis.branches_per_device
@@ -107,12 +107,12 @@ class _TypedBwd:
             outs, _ = bwd_cotangents(bwd(*a))
             kept[:] = [i for i, o in enumerate(outs) if isinstance(o, jax.Array)]
             return [outs[i] for i in kept]
-        jaxpr = _open(jax.make_jaxpr(arrays)(*res, *cts).jaxpr)
+        jaxpr = open_jaxpr(jax.make_jaxpr(arrays)(*res, *cts).jaxpr)
         logical = {m: m for m in mesh_axes}
         operands = self.names[0]
         answers = []
         for residual_names in (Names(), Names(mesh_axes)):
-            names = _Analysis(logical, {}).run(jaxpr, [residual_names] * len(res) + cts_names)
+            names = VaryingWalk(logical, {}).run(jaxpr, [residual_names] * len(res) + cts_names)
             per_operand = [Names()] * len(operands)
             for i, n in zip(kept, names):
                 per_operand[i] = n

@@ -180,7 +180,7 @@ def _squeeze_level(name: str, inner: Inner, outputs: _Outputs) -> Inner:
     """A name carried by mesh axes alone: its size-1 tile dimension is dropped
     from the inputs and put back into the results (reshapes, no vmap). Whether
     a result varies along the name is learned from the program's jaxpr
-    (``check_unvmapped_variance``)."""
+    (``check_unvmapped_varying``)."""
     tag = TileTag(name)
 
     def level(flat: list, layouts: list) -> tuple[list, list]:
@@ -200,7 +200,7 @@ def _squeeze_level(name: str, inner: Inner, outputs: _Outputs) -> Inner:
     return level
 
 
-def check_unvmapped_variance(plan: Plan, outputs: _Outputs, varies_along) -> None:
+def check_unvmapped_varying(plan: Plan, outputs: _Outputs, varies_along) -> None:
     """Raises for a result that varies along a name without a vmap level
     which its out_axes omit. ``varies_along(j, axis)``: whether result ``j``
     varies along the plan's ``axis``."""
@@ -409,7 +409,7 @@ def build_program(body: Callable, plan: Plan, in_tree, in_specs: list[AxisSpec],
     """``program(*flat_args) -> flat results``; the returned ``_Outputs`` is filled
     in when the program is traced (its ``tree`` unflattens the results).
     ``variance``: the logical names each result varies along, when a plan
-    whose names share a resource was analysed (``_variance.analyse_shared``);
+    whose names share a resource was analysed (``_varying.analyse_shared``);
     otherwise the walk of the program's jaxpr tells (in mesh axes)."""
     outputs = _Outputs()
     inner: Inner = _body_level(body, in_tree, plan, out_axes, user_out_axes, outputs)
@@ -544,14 +544,14 @@ def _run_body(local_program: Callable, args: list, plan: Plan, in_mesh_axes: lis
     with collect_custom_calls() as calls:
         closed = jax.make_jaxpr(pinned_program)(*args)
     typed = any(call.kind == "custom_vjp" and call.primal_mesh_op is not None for call in calls)
-    mesh_variance, branches_per_device = walk_program(closed.jaxpr, in_mesh_axes, plan, typed)
+    mesh_varying, branches_per_device = walk_program(closed.jaxpr, in_mesh_axes, plan, typed)
     if branches_per_device and plan.unvmapped():
         raise NeedsVmapLevels()
     if variance is None:
-        check_unvmapped_variance(plan, outputs, lambda j, axis: any(
-            m in mesh_variance[j] for m in axis.mesh_axes))
+        check_unvmapped_varying(plan, outputs, lambda j, axis: any(
+            m in mesh_varying[j] for m in axis.mesh_axes))
     else:
-        check_unvmapped_variance(plan, outputs, lambda j, axis: axis.name in variance[j])
+        check_unvmapped_varying(plan, outputs, lambda j, axis: axis.name in variance[j])
     return eval_closed_jaxpr(closed, *args)
 
 

@@ -31,7 +31,7 @@ from nxops.xmap._resources import loops_in_scope
 from nxops.xmap._rules import check_rules, current_axis_rules, resources_from_rules
 from nxops.xmap._specs import (AxisSpec, broadcast_specs, infer_axis_sizes, parse_spec_tree,
                                spec_names)
-from nxops.xmap._variance import (analyse_shared, closed_over_constants, runs_without,
+from nxops.xmap._varying import (analyse_shared, closed_over_constants, runs_without,
                                   shared_resources)
 
 # The meshes in scope when the enclosing xmap was called (None: no enclosing xmap).

@@ -83,7 +83,7 @@ def analyse_shared(body: Callable, plan: Plan, in_tree, flat_args: Sequence,
         return None
     logical = {a.vmap_name: a.name for a in plan.axes}
     mesh_axes = {a.name: a.mesh_axes for a in plan.axes if a.mesh_axes}
-    analysis = _Analysis(logical, shared, mesh_axes)
+    analysis = VaryingWalk(logical, shared, mesh_axes)
     variance = analysis.run(jaxpr.jaxpr, [Names(s.axis_names) for s in flat_specs])
     # None: every name then gets a vmap level, under which such a cond's
     # index is batched, and JAX runs every branch on every device (a select).
@@ -111,7 +111,7 @@ def _all_eqns(jaxprs: list[Jaxpr]):
     for jaxpr in jaxprs:
         for eqn in jaxpr.eqns:
             yield eqn
-            yield from _all_eqns([_open(j) for j in _sub_jaxprs(eqn.params)])
+            yield from _all_eqns([open_jaxpr(j) for j in _sub_jaxprs(eqn.params)])
 
 
 def closed_over_constants(body: Callable, plan: Plan, in_tree, flat_args: Sequence,
@@ -146,7 +146,7 @@ def _trace_per_instance(body, plan: Plan, in_tree, flat_args, flat_specs,
 _CUSTOM_RULE_PRIMITIVES = {"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
 
 
-class _Analysis:
+class VaryingWalk:
     """Propagates, equation by equation, the logical names each variable of a
     jaxpr varies along, and raises at the first pair sharing a resource."""
 
@@ -219,7 +219,7 @@ class _Analysis:
 
     def _eqn_with_sub_jaxprs(self, eqn, ins: list[Names]) -> list[Names]:
         params, n_out = eqn.params, len(eqn.outvars)
-        sub = [_open(j) for j in _sub_jaxprs(params)]
+        sub = [open_jaxpr(j) for j in _sub_jaxprs(params)]
         if len(sub) == 1 and len(sub[0].invars) == len(ins) and len(sub[0].outvars) == n_out:
             return self.run(sub[0], ins)   # jit, checkpoint, custom_jvp/vjp, shard_map, ...
         if sub:
@@ -243,7 +243,7 @@ class _Analysis:
             names = grown
 
     def _scan(self, eqn, ins):
-        body = _open(eqn.params["jaxpr"])
+        body = open_jaxpr(eqn.params["jaxpr"])
         n_consts, n_carry = scan_split(eqn.params)
         consts, carry = ins[:n_consts], ins[n_consts:n_consts + n_carry]
         xs = ins[n_consts + n_carry:]
@@ -256,7 +256,7 @@ class _Analysis:
 
     def _while(self, eqn, ins):
         p = eqn.params
-        cond, body = _open(p["cond_jaxpr"]), _open(p["body_jaxpr"])
+        cond, body = open_jaxpr(p["cond_jaxpr"]), open_jaxpr(p["body_jaxpr"])
         n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
         cond_consts, body_consts = ins[:n_cond], ins[n_cond:n_cond + n_body]
         carry = ins[n_cond + n_body:]
@@ -303,7 +303,7 @@ class _Analysis:
                 names = self._communicates_over(eqn)
                 if names:
                     yield eqn, names
-                yield from self._collectives([_open(j) for j in core.jaxprs_in_params(eqn.params)])
+                yield from self._collectives([open_jaxpr(j) for j in core.jaxprs_in_params(eqn.params)])
 
     def _communicates_over(self, eqn) -> Names:
         if eqn.primitive.name in _LAX_COLLECTIVES:
@@ -315,7 +315,7 @@ class _Analysis:
 
     def _cond(self, eqn, ins):
         index, operands = ins[0], ins[1:]
-        branches = [_open(branch) for branch in eqn.params["branches"]]
+        branches = [open_jaxpr(branch) for branch in eqn.params["branches"]]
         results = [self.run(branch, operands) for branch in branches]
         varying = {m for n in index for m in self._mesh_axes.get(n, ())}
         if varying and any(m in varying for _, names in self._collectives(branches)
@@ -363,7 +363,7 @@ def _sub_jaxprs(params) -> list:
     return found
 
 
-def _open(jaxpr: Jaxpr | ClosedJaxpr) -> Jaxpr:
+def open_jaxpr(jaxpr: Jaxpr | ClosedJaxpr) -> Jaxpr:
     return jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
 
 
