@@ -430,7 +430,7 @@ def build_program(body: Callable, plan: Plan, in_tree, in_specs: list[AxisSpec],
 
     if plan.mesh is None:
         return local_program, outputs
-    return _over_mesh(local_program, plan, in_specs, outputs, variance), outputs
+    return _OverMesh(local_program, plan, in_specs, outputs, variance), outputs
 
 
 def _local_shape(shape: Sequence[int], pspec, mesh) -> tuple[int, ...]:
@@ -443,69 +443,91 @@ def _local_shape(shape: Sequence[int], pspec, mesh) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def _over_mesh(local_program: Callable, plan: Plan, in_specs: list[AxisSpec],
-               outputs: _Outputs, variance: list | None) -> Callable:
+@dataclasses.dataclass
+class _MeshCall:
+    """One call of the program over the mesh: its inputs as the shard_map
+    takes them, and what tracing the body learns about its results."""
+
+    flat: list             # the program's inputs
+    specs: list            # their AxisSpecs
+    empty: list            # per input: its local shape if zero-size (made inside), else None
+    passed: list           # the inputs the shard_map takes (the others are zero-size)
+    in_pspecs: tuple       # their PartitionSpecs
+    narrowed: list         # per passed input: its 16-bit dtype if it enters as f32, else None
+    axis_names: frozenset  # the shard_map's manual mesh axes
+    # Set while the body is traced. shard_map reads out_specs once the body
+    # returns: the specs of the results that hold data. Zero-size results are
+    # made outside the shard_map (sharded over mesh axes one cannot be read:
+    # PJRT hands back each shard with the global shape); per result, None or
+    # the ShapeDtypeStruct of the global zero-size value.
+    out_specs: list = dataclasses.field(default_factory=list)
+    empty_results: list = dataclasses.field(default_factory=list)
+
+
+class _OverMesh:
     """``local_program`` run under ``jax.shard_map`` over the plan's mesh axes
     (inputs moved to the plan's sharding first, unless already inside a manual
     region)."""
-    def program(*flat):
+
+    def __init__(self, local_program: Callable, plan: Plan, in_specs: list[AxisSpec],
+                 outputs: _Outputs, variance: list | None):
+        self._local_program, self._plan, self._in_specs = local_program, plan, in_specs
+        self._outputs, self._variance = outputs, variance
+
+    def __call__(self, *flat) -> list:
         manual = jax.sharding.get_abstract_mesh().manual_axes
+        call = self._prepare(list(flat), manual)
+        abstract = jax.sharding.get_abstract_mesh()
+        mesh = abstract if not abstract.empty else self._plan.mesh
+        # check_vma=False: the vmap levels and the walk of the body's jaxpr
+        # already check, per logical name, that no result varies along a name
+        # its out_axes omit. It also keeps jax.grad inside the body per
+        # position for replicated inputs (per-example gradients), as under vmap
+        # and loops; check_vma=True would sum those over devices, and JAX has no
+        # varying -> invariant cast to undo it for free.
+        outs = iter(jax.shard_map(functools.partial(self._sharded, call), mesh=mesh,
+                                  in_specs=call.in_pspecs, out_specs=call.out_specs,
+                                  axis_names=call.axis_names, check_vma=False)(*call.passed))
+        results = [next(outs) if e is None else jnp.zeros(e.shape, e.dtype)
+                   for e in call.empty_results]
+        if manual or spmd_axis_names():
+            return results
+        return [constrain_on_auto_mesh(x, self._plan, s)
+                for x, s in zip(results, self._outputs.specs)]
+
+    def _prepare(self, flat: list, manual) -> _MeshCall:
+        plan, specs = self._plan, self._in_specs
         # Zero-size inputs hold no data: they are made inside the body instead of
         # passed in (Shardy rejects a manual computation whose operands are all
         # zero-size: "expected at least one operand ... GlobalToLocalShape").
         empty = [_local_shape(x.shape, plan.partition_spec(s, x.ndim), plan.mesh)
-                 if x.size == 0 else None for x, s in zip(flat, in_specs)]
-        passed = [(x, s) for x, s, e in zip(flat, in_specs, empty) if e is None]
-        if not manual:
-            passed = [(_reshard(x, plan, s), s) for x, s in passed]
-        else:
-            passed = [(_reshard_inside_manual_region(x, plan, s), s) for x, s in passed]
+                 if x.size == 0 else None for x, s in zip(flat, specs)]
+        move = _reshard_inside_manual_region if manual else _reshard
+        passed = [(move(x, plan, s), s) for x, s, e in zip(flat, specs, empty) if e is None]
         # Under jax.vmap(..., spmd_axis_name=...) the spmd axes are manual too:
         # JAX's batching rule of a shard_map that leaves them automatic fails.
         axis_names = frozenset(plan.mesh_axes) | spmd_axis_names()
         in_pspecs = tuple(plan.partition_spec(s, x.ndim) for x, s in passed)
         narrowed = [_narrowed_dtype(x, p, axis_names) for (x, _), p in zip(passed, in_pspecs)]
-        passed = [(x if d is None else x.astype(jnp.float32), s)
-                  for (x, s), d in zip(passed, narrowed)]
-        out_specs: list = []   # filled in once the body's results are known
-        # Zero-size results hold no data either: they are made outside the
-        # shard_map (a zero-size result sharded over mesh axes cannot be read:
-        # PJRT hands back each shard with the global shape). Per result:
-        # None, or the ShapeDtypeStruct of the global zero-size value.
-        empty_results: list = []
+        passed_arrays = [x if d is None else x.astype(jnp.float32)
+                         for (x, _), d in zip(passed, narrowed)]
+        return _MeshCall(flat, specs, empty, passed_arrays, in_pspecs, narrowed, axis_names)
 
-        def sharded(*local):
-            pinned = _pin_constants()  # noqa: F841 - alive while the body is traced
-            local = iter([x if d is None else x.astype(d) for x, d in zip(local, narrowed)])
-            args = [next(local) if e is None else jnp.zeros(e, x.dtype)
-                    for x, e in zip(flat, empty)]
-            arg_mesh_axes = [() if e is not None else _pspec_axes(plan.partition_spec(s, x.ndim))
-                             for x, s, e in zip(flat, in_specs, empty)]
-            results = _run_body(local_program, args, plan, arg_mesh_axes, outputs, variance)
-            pspecs = [plan.partition_spec(s, x.ndim) for x, s in zip(results, outputs.specs)]
-            empty_results[:] = [_empty_global(x, p, plan.mesh) for x, p in zip(results, pspecs)]
-            out_specs[:] = [p for p, e in zip(pspecs, empty_results) if e is None]
-            return [x for x, e in zip(results, empty_results) if e is None]
-
-        abstract = jax.sharding.get_abstract_mesh()
-        mesh = abstract if not abstract.empty else plan.mesh
-        # check_vma=False: the vmap levels already check, per logical name, that
-        # no result varies along a name its out_axes omit. It also keeps jax.grad
-        # inside the body per position for replicated inputs (per-example
-        # gradients), as under vmap and loops; check_vma=True would sum those over
-        # devices, and JAX has no varying -> invariant cast to undo it for free.
-        def over_mesh():
-            return iter(jax.shard_map(sharded, mesh=mesh, in_specs=in_pspecs, out_specs=out_specs,
-                                      axis_names=axis_names, check_vma=False)(
-                                          *[x for x, _ in passed]))
-
-        results = over_mesh()
-        results = [next(results) if e is None else jnp.zeros(e.shape, e.dtype)
-                   for e in empty_results]
-        if manual or spmd_axis_names():
-            return results
-        return [constrain_on_auto_mesh(x, plan, s) for x, s in zip(results, outputs.specs)]
-    return program
+    def _sharded(self, call: _MeshCall, *local) -> list:
+        """The shard_map's body: the local program on each device's blocks."""
+        plan = self._plan
+        pinned = _pin_constants()  # noqa: F841 - alive while the body is traced
+        local = iter([x if d is None else x.astype(d) for x, d in zip(local, call.narrowed)])
+        args = [next(local) if e is None else jnp.zeros(e, x.dtype)
+                for x, e in zip(call.flat, call.empty)]
+        arg_mesh_axes = [() if e is not None else _pspec_axes(plan.partition_spec(s, x.ndim))
+                         for x, s, e in zip(call.flat, call.specs, call.empty)]
+        results = _run_body(self._local_program, args, plan, arg_mesh_axes, self._outputs,
+                            self._variance)
+        pspecs = [plan.partition_spec(s, x.ndim) for x, s in zip(results, self._outputs.specs)]
+        call.empty_results[:] = [_empty_global(x, p, plan.mesh) for x, p in zip(results, pspecs)]
+        call.out_specs[:] = [p for p, e in zip(pspecs, call.empty_results) if e is None]
+        return [x for x, e in zip(results, call.empty_results) if e is None]
 
 
 def constrain_on_auto_mesh(x, plan: Plan, spec: AxisSpec):
