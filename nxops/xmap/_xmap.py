@@ -142,23 +142,10 @@ class XmapFunction:
             raise error from e
         except ValueError as e:
             # Checked only after a failure, so the common call pays nothing.
-            if isinstance(e, NxopsError):
-                raise
-            if spmd_axis_names() and "verifier errors" in str(e):
-                raise NxopsError(
-                    f"JAX {jax.__version__} cannot lower this xmap under jax.vmap(..., "
-                    f"spmd_axis_name={sorted(spmd_axis_names())}): its shard_map batching rule "
-                    "builds a manual computation whose shapes do not match (a JAX bug; JAX "
-                    "0.10.2 lowers it). Map the vmapped dimension as a named axis of the xmap "
-                    "instead (in_axes/out_axes with axis_resources on that mesh axis).") from e
-            if jax.process_count() > 1 and _process_local_inputs(args):
-                raise NxopsError(
-                    "In a program over several processes, every nx.xmap input must be a global "
-                    "jax.Array on the mesh, but some inputs live on this process's devices only. "
-                    "Build them with jax.make_array_from_process_local_data(sharding, local_data) "
-                    "or jax.make_array_from_callback(shape, sharding, callback), with sharding = "
-                    "NamedSharding(mesh, PartitionSpec(...)).") from e
-            if not _committed_elsewhere(args):
+            error = _explained_value_error(e, args)
+            if error is not None:
+                raise error from e
+            if isinstance(e, NxopsError) or not _committed_elsewhere(args):
                 raise
         # Inputs committed to devices other than the mesh's: move them, then retry.
         return jitted(*self._place_on_mesh(args))
@@ -257,29 +244,7 @@ class XmapFunction:
         """(the jitted program for a call outside any trace, the function it
         jits, for a call inside one)."""
         def run(*args):
-            nested = _ENCLOSING_MESH.get() is not None
-            plan, flat_specs = self._plan(args, mesh, resources)
-            _refuse_inputs_on_another_mesh(args, plan, flat_specs)
-            args = _replicated_off_mesh(args)
-            if self._body_only_names:
-                with _enclosing_mesh():
-                    self._check_body_uses(plan, args, flat_specs)
-            with _enclosing_mesh():
-                variance = analyse_shared(self._fun, plan, jax.tree.structure(args),
-                                          jax.tree.leaves(args), flat_specs)
-            if variance is None and shared_resources(plan) and plan.unvmapped():
-                plan = plan.with_vmap_levels()   # vmap then tells what varies
-            try:
-                results, outputs = self._traced_program(plan, args, flat_specs, variance, nested)
-            except NeedsVmapLevels:   # rare: the body's one more trace
-                results, outputs = self._traced_program(plan.with_vmap_levels(), args,
-                                                        flat_specs, variance, nested)
-            if nested:
-                results = [_unsharded_type(x) for x in results]
-            elif plan.mesh is None and not spmd_axis_names():   # (else _program constrains)
-                results = [constrain_on_auto_mesh(x, plan, s)
-                           for x, s in zip(results, outputs.specs)]
-            return jax.tree.unflatten(outputs.tree, results)
+            return self._run(mesh, resources, args)
 
         run.__name__ = getattr(self._fun, "__name__", "xmapped")
         jit_kwargs = {"backend": _present(self._backend)} if self._backend is not None else {}
@@ -288,6 +253,32 @@ class XmapFunction:
         if mesh is None or _names_mesh_axes(resources, mesh) or jax.process_count() > 1:
             return on_mesh, run
         return _OffMesh(mesh, jitted, on_mesh), run
+
+    def _run(self, mesh: Mesh | None, resources: dict, args: tuple) -> Any:
+        """What the jitted program traces: plan, checks, then the program."""
+        nested = _ENCLOSING_MESH.get() is not None
+        plan, flat_specs = self._plan(args, mesh, resources)
+        _refuse_inputs_on_another_mesh(args, plan, flat_specs)
+        args = _replicated_off_mesh(args)
+        if self._body_only_names:
+            with _enclosing_mesh():
+                self._check_body_uses(plan, args, flat_specs)
+        with _enclosing_mesh():
+            variance = analyse_shared(self._fun, plan, jax.tree.structure(args),
+                                      jax.tree.leaves(args), flat_specs)
+        if variance is None and shared_resources(plan) and plan.unvmapped():
+            plan = plan.with_vmap_levels()   # vmap then tells what varies
+        try:
+            results, outputs = self._traced_program(plan, args, flat_specs, variance, nested)
+        except NeedsVmapLevels:   # rare: the body's one more trace
+            results, outputs = self._traced_program(plan.with_vmap_levels(), args,
+                                                    flat_specs, variance, nested)
+        if nested:
+            results = [_unsharded_type(x) for x in results]
+        elif plan.mesh is None and not spmd_axis_names():   # (else _program constrains)
+            results = [constrain_on_auto_mesh(x, plan, s)
+                       for x, s in zip(results, outputs.specs)]
+        return jax.tree.unflatten(outputs.tree, results)
 
     def _traced_program(self, plan: Plan, args: tuple, flat_specs: list, variance, nested: bool):
         """The plan's program traced on ``args``: (flat results, its _Outputs)."""
@@ -646,6 +637,27 @@ def _non_array_argument_error(args: tuple) -> NxopsError | None:
                 f"({leaf!r:.60}), not an array: xmapped functions take arrays, scalars "
                 f"and pytrees of them. Close over other values (functools.partial or a "
                 f"lambda) instead of passing them.")
+    return None
+
+
+def _explained_value_error(error: ValueError, args: tuple) -> NxopsError | None:
+    """What a ValueError of JAX's means for this call, when nxops knows."""
+    if isinstance(error, NxopsError):
+        return None
+    if spmd_axis_names() and "verifier errors" in str(error):
+        return NxopsError(
+            f"JAX {jax.__version__} cannot lower this xmap under jax.vmap(..., "
+            f"spmd_axis_name={sorted(spmd_axis_names())}): its shard_map batching rule "
+            "builds a manual computation whose shapes do not match (a JAX bug; JAX "
+            "0.10.2 lowers it). Map the vmapped dimension as a named axis of the xmap "
+            "instead (in_axes/out_axes with axis_resources on that mesh axis).")
+    if jax.process_count() > 1 and _process_local_inputs(args):
+        return NxopsError(
+            "In a program over several processes, every nx.xmap input must be a global "
+            "jax.Array on the mesh, but some inputs live on this process's devices only. "
+            "Build them with jax.make_array_from_process_local_data(sharding, local_data) "
+            "or jax.make_array_from_callback(shape, sharding, callback), with sharding = "
+            "NamedSharding(mesh, PartitionSpec(...)).")
     return None
 
 
