@@ -121,25 +121,6 @@ def adapt_dce_rule(primitive) -> None:
         pe.dce_rules[primitive] = adapted
 
 
-def inside_while_loop() -> bool:
-    """Whether the value being traced is inside the cond or body of a
-    ``lax.while_loop`` (some enclosing trace is a jaxpr trace made for one).
-
-    xmap uses it to look for collectives whose devices may run different trip
-    counts. Private: the trace stack (``parent_trace``) and the debug info's
-    ``traced_for``; where either is missing this answers False (the check is
-    then skipped, as before).
-    """
-    trace = getattr(core, "unsafe_get_current_trace", lambda: None)()
-    while trace is not None:
-        frame = getattr(trace, "frame", None)
-        traced_for = getattr(getattr(frame, "debug_info", None), "traced_for", None)
-        if traced_for in ("while_cond", "while_body"):
-            return True
-        trace = getattr(trace, "parent_trace", None)
-    return False
-
-
 def enclosing_batch_axes() -> list[tuple[object, int]]:
     """``(name, size)`` of every vmap level on the trace stack, innermost first.
 
