@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 from typing import Callable
 
+import jax
 from jax import lax
 
 # Primitive machinery (ops/_primitive.py): the impl of a primitive through
@@ -118,25 +119,6 @@ def adapt_dce_rule(primitive) -> None:
             return rule(used_outs, eqn)
         adapted._nxops_adapted = True
         pe.dce_rules[primitive] = adapted
-
-
-def inside_while_loop() -> bool:
-    """Whether the value being traced is inside the cond or body of a
-    ``lax.while_loop`` (some enclosing trace is a jaxpr trace made for one).
-
-    xmap uses it to look for collectives whose devices may run different trip
-    counts. Private: the trace stack (``parent_trace``) and the debug info's
-    ``traced_for``; where either is missing this answers False (the check is
-    then skipped, as before).
-    """
-    trace = getattr(core, "unsafe_get_current_trace", lambda: None)()
-    while trace is not None:
-        frame = getattr(trace, "frame", None)
-        traced_for = getattr(getattr(frame, "debug_info", None), "traced_for", None)
-        if traced_for in ("while_cond", "while_body"):
-            return True
-        trace = getattr(trace, "parent_trace", None)
-    return False
 
 
 def enclosing_batch_axes() -> list[tuple[object, int]]:
@@ -290,3 +272,22 @@ def bound_axis_sizes(sizes: dict):
     import contextlib
     extend = getattr(core, "extend_axis_env_nd", None)
     return extend(list(sizes.items())) if extend is not None and sizes else contextlib.nullcontext()
+
+
+def eval_closed_jaxpr(closed, *args) -> list:
+    """``closed`` (a ClosedJaxpr) evaluated on ``args`` in the trace in
+    scope: each equation bound again, custom_jvp/custom_vjp calls with their
+    rules (how xmap reuses the one trace of a body)."""
+    return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
+
+
+def staging_into_jaxpr() -> bool:
+    """Whether the trace in scope stages into a jaxpr (jax.jit, a lax control
+    flow body, make_jaxpr), directly or under transformations (jax.grad,
+    jax.vmap): not an eager transformation, whose ops run as they come."""
+    trace = core.trace_ctx.trace
+    while trace is not None:
+        if isinstance(trace, pe.DynamicJaxprTrace):
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False

@@ -24,7 +24,6 @@ import jax
 
 from nxops._jax import core as _core
 from nxops._jax import enclosing_batch_axes as _enclosing_batch_axes
-from nxops._jax import inside_while_loop as _inside_while_loop
 from nxops._jax import bound_axis_sizes as _bound_axis_sizes
 from nxops._jax import wrap_custom_rules as _wrap_custom_rules
 from nxops._errors import NxopsError
@@ -388,25 +387,6 @@ def looped_name_hint(name, op: str) -> str:
             f"to mesh axes (or nothing) instead of a loop in axis_resources.")
 
 
-# While nx.xmap traces a program over mesh axes: the named ops over mesh axes
-# traced inside a lax.while_loop (None: nobody watches). xmap then checks that
-# no such loop runs a different trip count on devices that communicate.
-_MESH_OPS_IN_WHILE: contextvars.ContextVar[list | None] = contextvars.ContextVar(
-    "nxops_mesh_ops_in_while", default=None)
-
-
-def watch_mesh_ops_in_while() -> contextlib.AbstractContextManager[list]:
-    """Yields a list that fills with the names of ops over mesh axes traced
-    inside a ``lax.while_loop`` within the block."""
-    return _collecting(_MESH_OPS_IN_WHILE)
-
-
-def _note_mesh_op(op: str) -> None:
-    seen = _MESH_OPS_IN_WHILE.get()
-    if seen is not None and not seen and _inside_while_loop():
-        seen.append(op)
-
-
 def _bound_here(name) -> bool:
     return _core.get_axis_env().axis_exists(name) or name in manual_mesh_axes()
 
@@ -446,8 +426,6 @@ def split_vmap_and_mesh(physical: Sequence[str], *, op: str,
                 f"{', '.join(bound) or 'none'}).{f' Did you mean {close[0]!r}?' if close else ''}"
                 f" Named axes exist inside nx.xmap, "
                 f"jax.vmap(..., axis_name=...) and jax.shard_map bodies; {positional_hint}.")
-    if mesh_names:
-        _note_mesh_op(op)
     return tuple(vmap_names), tuple(mesh_names)
 
 

@@ -18,8 +18,9 @@ mesh axes xmap converts at the custom call (docs/xmap.md, "Custom rules"):
   resources the positions' values are summed, which the parts then do).
 
 Which values vary along which mesh axes comes from a walk of the body's jaxpr
-(``_variance._Analysis``); only bodies whose custom calls run a named op over
-mesh axes in their primal pay for it (one more trace of the body).
+(``_varying.VaryingWalk``); only bodies whose custom calls run a named op over
+mesh axes in their primal get their bwd converted. The walk reads the jaxpr
+of the one trace of the body (``walk_program``); it does not call the body.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from nxops._jax import bwd_cotangents, custom_rule_wrappers
 from nxops.kernels.xla import collectives as xla_collectives
 from nxops.ops._axis_env import mesh_platform as _mesh_platform
 from nxops.ops._axis_env import CustomCall
-from nxops.xmap._variance import Names, _Analysis, _open
+from nxops.xmap._varying import Names, VaryingWalk, open_jaxpr
 
 
 def _float(x) -> bool:
@@ -41,15 +42,20 @@ def _float(x) -> bool:
     return isinstance(x, jax.Array) and jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)
 
 
-def trace_with_typed_custom_rules(program: Callable, args: list, in_mesh_axes: Sequence,
-                                  mesh_axes: Sequence[str]) -> list:
-    """``program(*args)`` traced once to a jaxpr, each custom_vjp call in it
-    told which of ``mesh_axes`` its operands and results vary along, then
-    evaluated. ``in_mesh_axes``: the mesh axes each arg varies along."""
-    closed = jax.make_jaxpr(program)(*args)
-    analysis = _Analysis({m: m for m in mesh_axes}, {}, on_custom_vjp=_annotate)
-    analysis.run(closed.jaxpr, [Names(a) for a in in_mesh_axes])
-    return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
+def walk_program(jaxpr, in_mesh_axes: Sequence, plan, typed: bool) -> tuple[list[Names], bool]:
+    """Walks the jaxpr of a program traced inside the shard_map, in mesh axes:
+    which of the plan's mesh axes each result varies along, and whether a
+    cond's branches would differ per device around a collective (the plan
+    then needs vmap levels). Refuses a while_loop whose trip count differs
+    across the devices of a collective inside it. ``typed``: each custom_vjp
+    call is also told which mesh axes its operands and results vary along.
+    ``in_mesh_axes``: the mesh axes each input varies along."""
+    mesh_axes = plan.mesh_axes
+    shown = {m: (a.name, a.mesh_axes) for a in plan.axes for m in a.mesh_axes}
+    analysis = VaryingWalk({m: m for m in mesh_axes}, {}, {m: (m,) for m in mesh_axes},
+                         on_custom_vjp=_annotate if typed else None, shown=shown)
+    results = analysis.run(jaxpr, [Names(a) for a in in_mesh_axes])
+    return results, analysis.branches_per_device
 
 
 def _annotate(eqn, ins: list[Names], outs: list[Names]) -> None:
@@ -101,12 +107,12 @@ class _TypedBwd:
             outs, _ = bwd_cotangents(bwd(*a))
             kept[:] = [i for i, o in enumerate(outs) if isinstance(o, jax.Array)]
             return [outs[i] for i in kept]
-        jaxpr = _open(jax.make_jaxpr(arrays)(*res, *cts).jaxpr)
+        jaxpr = open_jaxpr(jax.make_jaxpr(arrays)(*res, *cts).jaxpr)
         logical = {m: m for m in mesh_axes}
         operands = self.names[0]
         answers = []
         for residual_names in (Names(), Names(mesh_axes)):
-            names = _Analysis(logical, {}).run(jaxpr, [residual_names] * len(res) + cts_names)
+            names = VaryingWalk(logical, {}).run(jaxpr, [residual_names] * len(res) + cts_names)
             per_operand = [Names()] * len(operands)
             for i, n in zip(kept, names):
                 per_operand[i] = n

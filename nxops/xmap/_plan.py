@@ -43,7 +43,8 @@ class AxisPlan:
     tile: int
     vmap_name: str | InternalAxisName
     # True keeps a vmap level even for a tile of 1 (the fallback when the
-    # body's variance cannot be analysed: see _variance.analyse_body).
+    # body's variance cannot be analysed, or a cond's branches would differ
+    # per device around a collective: see _program.NeedsVmapLevels).
     force_vmap: bool = False
 
     @property

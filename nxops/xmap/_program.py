@@ -12,8 +12,12 @@ restricted to the tags not yet consumed by enclosing levels.
 A named axis gets a vmap level, so vmap's own batching tells which outputs
 vary along it, unless mesh axes alone carry it (``AxisPlan.vmapped``): its
 size-1 tile dimension is then squeezed away (a size-1 vmap costs transposes
-and copies in the compiled program), and the variance walk of the body
-(``_variance.analyse_body``) tells which outputs vary along it.
+and copies in the compiled program), and a walk of the program's jaxpr
+(``_custom_rules.walk_program``) tells which outputs vary along it.
+
+The user's body is traced once per lowering: the program over mesh axes is
+traced to a jaxpr that is walked and then evaluated, and a serial loop's step
+is traced to a jaxpr that its scan evaluates.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+from nxops._jax import eval_closed_jaxpr
 from nxops._jax import infer_out_axes as _infer_out_axes
 from nxops._jax import pin_constant as _pin_constant
 from nxops._jax import spmd_axis_names
@@ -37,7 +42,7 @@ from nxops.kernels.xla.collectives import CPU_UNSAFE_DTYPES
 from nxops.ops._axis_env import (InternalAxisName, TileAxisName, collect_custom_calls,
                                       loop_step, varies_hint)
 from nxops.ops._axis_env import mesh_platform as _mesh_platform
-from nxops.xmap._custom_rules import trace_with_typed_custom_rules
+from nxops.xmap._custom_rules import walk_program
 from nxops.xmap._plan import Plan, check_shared_resources
 from nxops.xmap._raw_lax import raw_lax_error
 from nxops.xmap._specs import AxisSpec, broadcast_specs, check_output_rank
@@ -171,9 +176,11 @@ def _tile_level(plan: Plan, name: str, inner: Inner, outputs: _Outputs) -> Inner
     return level
 
 
-def _squeeze_level(name: str, inner: Inner, outputs: _Outputs, variance: list) -> Inner:
+def _squeeze_level(name: str, inner: Inner, outputs: _Outputs) -> Inner:
     """A name carried by mesh axes alone: its size-1 tile dimension is dropped
-    from the inputs and put back into the results (reshapes, no vmap)."""
+    from the inputs and put back into the results (reshapes, no vmap). Whether
+    a result varies along the name is learned from the program's jaxpr
+    (``check_unvmapped_varying``)."""
     tag = TileTag(name)
 
     def level(flat: list, layouts: list) -> tuple[list, list]:
@@ -183,8 +190,6 @@ def _squeeze_level(name: str, inner: Inner, outputs: _Outputs, variance: list) -
         new_outs, new_layouts = [], []
         for j, (x, lay) in enumerate(zip(outs, inner_layouts)):
             if tag not in outputs.layouts[j]:
-                if name in variance[j]:
-                    raise _varies_error(outputs, j, name)
                 new_outs.append(x)
                 new_layouts.append(lay)
                 continue
@@ -193,6 +198,18 @@ def _squeeze_level(name: str, inner: Inner, outputs: _Outputs, variance: list) -
             new_layouts.append(target)
         return new_outs, new_layouts
     return level
+
+
+def check_unvmapped_varying(plan: Plan, outputs: _Outputs, varies_along) -> None:
+    """Raises for a result that varies along a name without a vmap level
+    which its out_axes omit. ``varies_along(j, axis)``: whether result ``j``
+    varies along the plan's ``axis``."""
+    for axis in reversed(plan.axes):   # the innermost level first, as vmap levels raise
+        if axis.vmapped:
+            continue
+        for j, layout in enumerate(outputs.layouts):
+            if TileTag(axis.name) not in layout and varies_along(j, axis):
+                raise _varies_error(outputs, j, axis.name)
 
 
 def _zeros_like_aval(aval):
@@ -262,12 +279,17 @@ def _loop_level(loop, inner: Inner, outputs: _Outputs) -> Inner:
 
         # Outputs along the loop's names are stacked (scan's ys); the others do
         # not vary along them and are carried (their shapes come from one step).
+        # The step is traced once, to a jaxpr that scan's step evaluates: the
+        # body is not called again.
         steps = jnp.arange(loop.length, dtype=jnp.int32)
-        step_avals = jax.eval_shape(one_step, steps[0], [x[0] for x in xs])
+        step_jaxpr = jax.make_jaxpr(one_step)(steps[0], [x[0] for x in xs])
+        step_avals = step_jaxpr.out_avals
         stacked = [tag in outputs.layouts[j] for j in range(len(step_avals))]
 
         def step(carry, index_and_xs):
-            outs = one_step(*index_and_xs)
+            pinned = _pin_constants()  # noqa: F841 - alive while the step is traced
+            index, xs_step = index_and_xs
+            outs = eval_closed_jaxpr(step_jaxpr, index, *xs_step)
             return ([o for o, s in zip(outs, stacked) if not s],
                     [o for o, s in zip(outs, stacked) if s])
 
@@ -386,15 +408,16 @@ def build_program(body: Callable, plan: Plan, in_tree, in_specs: list[AxisSpec],
                   variance: list | None = None) -> tuple[Callable, _Outputs]:
     """``program(*flat_args) -> flat results``; the returned ``_Outputs`` is filled
     in when the program is traced (its ``tree`` unflattens the results).
-    ``variance``: the names each result varies along (``_variance.analyse_body``),
-    needed when some name has no vmap level."""
+    ``variance``: the logical names each result varies along, when a plan
+    whose names share a resource was analysed (``_varying.analyse_shared``);
+    otherwise the walk of the program's jaxpr tells (in mesh axes)."""
     outputs = _Outputs()
     inner: Inner = _body_level(body, in_tree, plan, out_axes, user_out_axes, outputs)
     for axis in reversed(plan.axes):
         if axis.vmapped:
             inner = _tile_level(plan, axis.name, inner, outputs)
         else:
-            inner = _squeeze_level(axis.name, inner, outputs, variance)
+            inner = _squeeze_level(axis.name, inner, outputs)
     for loop in reversed(plan.loops):
         inner = _loop_level(loop, inner, outputs)
 
@@ -407,7 +430,7 @@ def build_program(body: Callable, plan: Plan, in_tree, in_specs: list[AxisSpec],
 
     if plan.mesh is None:
         return local_program, outputs
-    return _over_mesh(local_program, plan, in_specs, outputs), outputs
+    return _OverMesh(local_program, plan, in_specs, outputs, variance), outputs
 
 
 def _local_shape(shape: Sequence[int], pspec, mesh) -> tuple[int, ...]:
@@ -420,74 +443,91 @@ def _local_shape(shape: Sequence[int], pspec, mesh) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def _over_mesh(local_program: Callable, plan: Plan, in_specs: list[AxisSpec],
-               outputs: _Outputs) -> Callable:
+@dataclasses.dataclass
+class _MeshCall:
+    """One call of the program over the mesh: its inputs as the shard_map
+    takes them, and what tracing the body learns about its results."""
+
+    flat: list             # the program's inputs
+    specs: list            # their AxisSpecs
+    empty: list            # per input: its local shape if zero-size (made inside), else None
+    passed: list           # the inputs the shard_map takes (the others are zero-size)
+    in_pspecs: tuple       # their PartitionSpecs
+    narrowed: list         # per passed input: its 16-bit dtype if it enters as f32, else None
+    axis_names: frozenset  # the shard_map's manual mesh axes
+    # Set while the body is traced. shard_map reads out_specs once the body
+    # returns: the specs of the results that hold data. Zero-size results are
+    # made outside the shard_map (sharded over mesh axes one cannot be read:
+    # PJRT hands back each shard with the global shape); per result, None or
+    # the ShapeDtypeStruct of the global zero-size value.
+    out_specs: list = dataclasses.field(default_factory=list)
+    empty_results: list = dataclasses.field(default_factory=list)
+
+
+class _OverMesh:
     """``local_program`` run under ``jax.shard_map`` over the plan's mesh axes
     (inputs moved to the plan's sharding first, unless already inside a manual
     region)."""
-    def program(*flat):
+
+    def __init__(self, local_program: Callable, plan: Plan, in_specs: list[AxisSpec],
+                 outputs: _Outputs, variance: list | None):
+        self._local_program, self._plan, self._in_specs = local_program, plan, in_specs
+        self._outputs, self._variance = outputs, variance
+
+    def __call__(self, *flat) -> list:
         manual = jax.sharding.get_abstract_mesh().manual_axes
+        call = self._prepare(list(flat), manual)
+        abstract = jax.sharding.get_abstract_mesh()
+        mesh = abstract if not abstract.empty else self._plan.mesh
+        # check_vma=False: the vmap levels and the walk of the body's jaxpr
+        # already check, per logical name, that no result varies along a name
+        # its out_axes omit. It also keeps jax.grad inside the body per
+        # position for replicated inputs (per-example gradients), as under vmap
+        # and loops; check_vma=True would sum those over devices, and JAX has no
+        # varying -> invariant cast to undo it for free.
+        outs = iter(jax.shard_map(functools.partial(self._sharded, call), mesh=mesh,
+                                  in_specs=call.in_pspecs, out_specs=call.out_specs,
+                                  axis_names=call.axis_names, check_vma=False)(*call.passed))
+        results = [next(outs) if e is None else jnp.zeros(e.shape, e.dtype)
+                   for e in call.empty_results]
+        if manual or spmd_axis_names():
+            return results
+        return [constrain_on_auto_mesh(x, self._plan, s)
+                for x, s in zip(results, self._outputs.specs)]
+
+    def _prepare(self, flat: list, manual) -> _MeshCall:
+        plan, specs = self._plan, self._in_specs
         # Zero-size inputs hold no data: they are made inside the body instead of
         # passed in (Shardy rejects a manual computation whose operands are all
         # zero-size: "expected at least one operand ... GlobalToLocalShape").
         empty = [_local_shape(x.shape, plan.partition_spec(s, x.ndim), plan.mesh)
-                 if x.size == 0 else None for x, s in zip(flat, in_specs)]
-        passed = [(x, s) for x, s, e in zip(flat, in_specs, empty) if e is None]
-        if not manual:
-            passed = [(_reshard(x, plan, s), s) for x, s in passed]
-        else:
-            passed = [(_reshard_inside_manual_region(x, plan, s), s) for x, s in passed]
+                 if x.size == 0 else None for x, s in zip(flat, specs)]
+        move = _reshard_inside_manual_region if manual else _reshard
+        passed = [(move(x, plan, s), s) for x, s, e in zip(flat, specs, empty) if e is None]
         # Under jax.vmap(..., spmd_axis_name=...) the spmd axes are manual too:
         # JAX's batching rule of a shard_map that leaves them automatic fails.
         axis_names = frozenset(plan.mesh_axes) | spmd_axis_names()
         in_pspecs = tuple(plan.partition_spec(s, x.ndim) for x, s in passed)
         narrowed = [_narrowed_dtype(x, p, axis_names) for (x, _), p in zip(passed, in_pspecs)]
-        passed = [(x if d is None else x.astype(jnp.float32), s)
-                  for (x, s), d in zip(passed, narrowed)]
-        out_specs: list = []   # filled in once the body's results are known
-        # Zero-size results hold no data either: they are made outside the
-        # shard_map (a zero-size result sharded over mesh axes cannot be read:
-        # PJRT hands back each shard with the global shape). Per result:
-        # None, or the ShapeDtypeStruct of the global zero-size value.
-        empty_results: list = []
+        passed_arrays = [x if d is None else x.astype(jnp.float32)
+                         for (x, _), d in zip(passed, narrowed)]
+        return _MeshCall(flat, specs, empty, passed_arrays, in_pspecs, narrowed, axis_names)
 
-        def sharded(*local):
-            pinned = _pin_constants()  # noqa: F841 - alive while the body is traced
-            local = iter([x if d is None else x.astype(d) for x, d in zip(local, narrowed)])
-            args = [next(local) if e is None else jnp.zeros(e, x.dtype)
-                    for x, e in zip(flat, empty)]
-            arg_mesh_axes = [() if e is not None else _pspec_axes(plan.partition_spec(s, x.ndim))
-                             for x, s, e in zip(flat, in_specs, empty)]
-            results = _run_body(local_program, args, typed[0], plan, arg_mesh_axes)
-            pspecs = [plan.partition_spec(s, x.ndim) for x, s in zip(results, outputs.specs)]
-            empty_results[:] = [_empty_global(x, p, plan.mesh) for x, p in zip(results, pspecs)]
-            out_specs[:] = [p for p, e in zip(pspecs, empty_results) if e is None]
-            return [x for x, e in zip(results, empty_results) if e is None]
-
-        abstract = jax.sharding.get_abstract_mesh()
-        mesh = abstract if not abstract.empty else plan.mesh
-        # check_vma=False: the vmap levels already check, per logical name, that
-        # no result varies along a name its out_axes omit. It also keeps jax.grad
-        # inside the body per position for replicated inputs (per-example
-        # gradients), as under vmap and loops; check_vma=True would sum those over
-        # devices, and JAX has no varying -> invariant cast to undo it for free.
-        def over_mesh():
-            return iter(jax.shard_map(sharded, mesh=mesh, in_specs=in_pspecs, out_specs=out_specs,
-                                      axis_names=axis_names, check_vma=False)(
-                                          *[x for x, _ in passed]))
-
-        typed = [False]   # set when a custom_vjp needs its bwd's cotangents converted
-        try:
-            results = over_mesh()
-        except _TypedCustomRules:
-            typed[0] = True
-            results = over_mesh()
-        results = [next(results) if e is None else jnp.zeros(e.shape, e.dtype)
-                   for e in empty_results]
-        if manual or spmd_axis_names():
-            return results
-        return [constrain_on_auto_mesh(x, plan, s) for x, s in zip(results, outputs.specs)]
-    return program
+    def _sharded(self, call: _MeshCall, *local) -> list:
+        """The shard_map's body: the local program on each device's blocks."""
+        plan = self._plan
+        pinned = _pin_constants()  # noqa: F841 - alive while the body is traced
+        local = iter([x if d is None else x.astype(d) for x, d in zip(local, call.narrowed)])
+        args = [next(local) if e is None else jnp.zeros(e, x.dtype)
+                for x, e in zip(call.flat, call.empty)]
+        arg_mesh_axes = [() if e is not None else _pspec_axes(plan.partition_spec(s, x.ndim))
+                         for x, s, e in zip(call.flat, call.specs, call.empty)]
+        results = _run_body(self._local_program, args, plan, arg_mesh_axes, self._outputs,
+                            self._variance)
+        pspecs = [plan.partition_spec(s, x.ndim) for x, s in zip(results, self._outputs.specs)]
+        call.empty_results[:] = [_empty_global(x, p, plan.mesh) for x, p in zip(results, pspecs)]
+        call.out_specs[:] = [p for p, e in zip(pspecs, call.empty_results) if e is None]
+        return [x for x, e in zip(results, call.empty_results) if e is None]
 
 
 def constrain_on_auto_mesh(x, plan: Plan, spec: AxisSpec):
@@ -503,24 +543,38 @@ def constrain_on_auto_mesh(x, plan: Plan, spec: AxisSpec):
     return lax.with_sharding_constraint(x, NamedSharding(mesh, pspec))
 
 
-class _TypedCustomRules(Exception):
-    """Internal: the body's first trace found a custom_vjp whose primal runs a
-    named op over mesh axes; it is traced again, the second way of _run_body."""
+class NeedsVmapLevels(Exception):
+    """Internal: a cond's branches differ per device around a collective over
+    mesh axes of a name without a vmap level; the plan needs vmap levels
+    (under which such a cond is batched: every branch runs, a select)."""
 
 
-def _run_body(local_program: Callable, args: list, typed: bool, plan: Plan,
-              in_mesh_axes: list) -> list:
-    """``local_program(*args)`` inside the shard_map. A custom_vjp whose primal
-    runs a named op over mesh axes needs to know which mesh axes its operands
-    and results vary along, for a jax.grad outside the xmap (_custom_rules.py):
-    the body is then traced again, once to a jaxpr that a walk reads."""
-    if typed:
-        return trace_with_typed_custom_rules(local_program, args, in_mesh_axes, plan.mesh_axes)
+def _run_body(local_program: Callable, args: list, plan: Plan, in_mesh_axes: list,
+              outputs: _Outputs, variance: list | None) -> list:
+    """``local_program(*args)`` inside the shard_map: traced once to a jaxpr,
+    which a walk reads (``_custom_rules.walk_program``), then evaluated.
+
+    The walk tells which mesh axes each result varies along (for names
+    without a vmap level), refuses while loops whose trip count differs
+    across the devices of a collective, and, when a custom_vjp's primal runs
+    a named op over mesh axes, tells each custom_vjp call which mesh axes its
+    operands and results vary along, for a jax.grad outside the xmap."""
+    def pinned_program(*local):
+        pinned = _pin_constants()  # noqa: F841 - alive while the program is traced
+        return local_program(*local)
+
     with collect_custom_calls() as calls:
-        results = local_program(*args)
-    if any(call.kind == "custom_vjp" and call.primal_mesh_op is not None for call in calls):
-        raise _TypedCustomRules()
-    return results
+        closed = jax.make_jaxpr(pinned_program)(*args)
+    typed = any(call.kind == "custom_vjp" and call.primal_mesh_op is not None for call in calls)
+    mesh_varying, branches_per_device = walk_program(closed.jaxpr, in_mesh_axes, plan, typed)
+    if branches_per_device and plan.unvmapped():
+        raise NeedsVmapLevels()
+    if variance is None:
+        check_unvmapped_varying(plan, outputs, lambda j, axis: any(
+            m in mesh_varying[j] for m in axis.mesh_axes))
+    else:
+        check_unvmapped_varying(plan, outputs, lambda j, axis: axis.name in variance[j])
+    return eval_closed_jaxpr(closed, *args)
 
 
 def _pspec_axes(pspec) -> tuple:

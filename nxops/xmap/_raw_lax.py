@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 import traceback
 
+import jax
+
 from nxops._errors import NxopsError
 from nxops.ops._axis_env import current_logical_axes, looped_name_hint
 
@@ -52,7 +54,9 @@ def _where_bound(name, logical: dict) -> str:
     if axis is None:
         known = ", ".join(map(repr, logical)) or "none"
         return f"{name!r} is not an axis name bound here (xmap names: {known})"
-    mesh = axis.physical[:-1]   # the last physical name is the local vmap tile
+    # The physical names are its mesh axes, then its vmap tile unless mesh axes alone carry it.
+    on_mesh = jax.sharding.get_abstract_mesh().axis_names
+    mesh = [p for p in axis.physical if p in on_mesh]
     loops = [getattr(loop, "name", None) or repr(loop) for loop in axis.loops]
     where = " and ".join(([f"mesh axes {tuple(mesh)}"] if mesh else []) +
                          ([f"serial loops ({', '.join(loops)})"] if loops else [])) or "a vmap"

@@ -17,22 +17,22 @@ from nxops._jax import device_context as _device_context     # what jax.set_mesh
 from nxops._jax import legacy_mesh_context as _legacy_meshes   # what `with mesh:` sets
 from nxops._jax import mesh_lib as _mesh_lib
 from nxops._jax import spmd_axis_names
+from nxops._jax import staging_into_jaxpr as _staging_into_jaxpr
 from nxops._errors import NxopsError
 from nxops._traceback import api_boundary
 from nxops._platforms import normalize_platform
 from nxops._typing import AxisResources
-from nxops.ops._axis_env import (current_logical_axes, current_logical_axes_map, logical_axes,
-                                  watch_mesh_ops_in_while)
+from nxops.ops._axis_env import current_logical_axes, current_logical_axes_map, logical_axes
 from nxops.xmap._plan import (Plan, check_shared_resources, mesh_in_scope,
                               normalize_axis_resources, off_mesh, plan_axis_resources)
-from nxops.xmap._program import (build_program, constrain_on_auto_mesh, explicit_mesh_constants,
-                                 pinned_constants)
+from nxops.xmap._program import (NeedsVmapLevels, build_program, constrain_on_auto_mesh,
+                                 explicit_mesh_constants, pinned_constants)
 from nxops.xmap._resources import loops_in_scope
 from nxops.xmap._rules import check_rules, current_axis_rules, resources_from_rules
 from nxops.xmap._specs import (AxisSpec, broadcast_specs, infer_axis_sizes, parse_spec_tree,
                                spec_names)
-from nxops.xmap._variance import (analyse_body, check_uniform_trip_counts, closed_over_constants,
-                                  runs_without)
+from nxops.xmap._varying import (analyse_shared, closed_over_constants, runs_without,
+                                  shared_resources)
 
 # The meshes in scope when the enclosing xmap was called (None: no enclosing xmap).
 _ENCLOSING_MESH: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
@@ -102,8 +102,9 @@ class XmapFunction:
             _hashable_tree(self._in_axes), _hashable_tree(self._out_axes),
             tuple(sorted(self._axis_sizes.items())), tuple(sorted(self._resources.items())),
             self._donate_argnums, backend))
-        # (context probe, its jitted program) of the last call; () matches no probe.
-        self._last_context: tuple = ((), None)
+        # (context probe, its jitted program, the program to trace inline) of
+        # the last call; () matches no probe.
+        self._last_context: tuple = ((), None, None)
         functools.update_wrapper(self, fun, updated=())   # not __dict__: fun may be an xmap
 
     def __repr__(self) -> str:
@@ -119,9 +120,11 @@ class XmapFunction:
         # compare checks identity first) reuse its jitted program.
         probe = (_device_context.value, _legacy_meshes.value,   # _context_probe,
                  loops_in_scope(), current_logical_axes_map(), current_axis_rules())  # inlined
-        last_probe, jitted = self._last_context
+        last_probe, jitted, traced = self._last_context
         if probe != last_probe:
-            jitted = self._jitted_for(probe)
+            jitted, traced = self._jitted_for(probe)
+        if _staging_into_jaxpr():
+            return self._call_traced(traced, args)
         try:
             return jitted(*args)
         except _InputsOnAnotherMesh as e:
@@ -139,26 +142,26 @@ class XmapFunction:
             raise error from e
         except ValueError as e:
             # Checked only after a failure, so the common call pays nothing.
-            if isinstance(e, NxopsError):
-                raise
-            if spmd_axis_names() and "verifier errors" in str(e):
-                raise NxopsError(
-                    f"JAX {jax.__version__} cannot lower this xmap under jax.vmap(..., "
-                    f"spmd_axis_name={sorted(spmd_axis_names())}): its shard_map batching rule "
-                    "builds a manual computation whose shapes do not match (a JAX bug; JAX "
-                    "0.10.2 lowers it). Map the vmapped dimension as a named axis of the xmap "
-                    "instead (in_axes/out_axes with axis_resources on that mesh axis).") from e
-            if jax.process_count() > 1 and _process_local_inputs(args):
-                raise NxopsError(
-                    "In a program over several processes, every nx.xmap input must be a global "
-                    "jax.Array on the mesh, but some inputs live on this process's devices only. "
-                    "Build them with jax.make_array_from_process_local_data(sharding, local_data) "
-                    "or jax.make_array_from_callback(shape, sharding, callback), with sharding = "
-                    "NamedSharding(mesh, PartitionSpec(...)).") from e
-            if not _committed_elsewhere(args):
+            error = _explained_value_error(e, args)
+            if error is not None:
+                raise error from e
+            if isinstance(e, NxopsError) or not _committed_elsewhere(args):
                 raise
         # Inputs committed to devices other than the mesh's: move them, then retry.
         return jitted(*self._place_on_mesh(args))
+
+    def _call_traced(self, traced: Callable, args: tuple) -> Any:
+        """The program traced inline into the enclosing trace (a jax.jit,
+        jax.grad, ...), with no jit of its own: a nested jit would be traced,
+        then linearized and lowered as a second function, and the enclosing
+        transformation caches the whole trace anyway."""
+        error = _non_array_argument_error(args)
+        if error is not None:
+            raise error
+        try:
+            return traced(*jax.tree.map(_as_array, args))
+        except _InputsOnAnotherMesh as e:
+            raise NxopsError(str(e)) from None
 
     @api_boundary
     def lower(self, *args: Any) -> jax.stages.Lowered:
@@ -171,7 +174,7 @@ class XmapFunction:
             [4. 4. 4.]
         """
         try:
-            return self._jitted().lower(*self._typed_per_plan(self._place_on_mesh(args)))
+            return self._jitted()[0].lower(*self._typed_per_plan(self._place_on_mesh(args)))
         except _InputsOnAnotherMesh as e:
             raise NxopsError(str(e)) from None
         except TypeError as e:
@@ -226,55 +229,64 @@ class XmapFunction:
         # Whether jax.set_mesh is unset (the legacy `with mesh:` alone) is part
         # of the key: the program is then wrapped to call it under the mesh.
         key = (mesh_in_scope(), _concrete_mesh_unset(), loops, tuple(names.items()), rules)
-        jitted = self._by_context.get(key)
-        if jitted is None:
-            jitted = self._by_context[key] = self._make_jitted(key[0], self._resources_for(rules))
-        self._last_context = (probe, jitted)
-        return jitted
+        programs = self._by_context.get(key)
+        if programs is None:
+            programs = self._by_context[key] = self._make_jitted(key[0], self._resources_for(rules))
+        self._last_context = (probe, *programs)
+        return programs
 
     def _resources_for(self, rules) -> dict:
         if not rules:
             return self._resources
         return normalize_axis_resources(resources_from_rules(self._names, rules), self._names)
 
-    def _make_jitted(self, mesh: Mesh | None, resources: dict):
+    def _make_jitted(self, mesh: Mesh | None, resources: dict) -> tuple[Callable, Callable]:
+        """(the jitted program for a call outside any trace, the function it
+        jits, for a call inside one)."""
         def run(*args):
-            nested = _ENCLOSING_MESH.get() is not None
-            plan, flat_specs = self._plan(args, mesh, resources)
-            _refuse_inputs_on_another_mesh(args, plan, flat_specs)
-            args = _replicated_off_mesh(args)
-            if self._body_only_names:
-                with _enclosing_mesh():
-                    self._check_body_uses(plan, args, flat_specs)
-            with _enclosing_mesh():
-                variance = analyse_body(self._fun, plan, jax.tree.structure(args),
-                                        jax.tree.leaves(args), flat_specs)
-            if variance is None and plan.unvmapped():
-                plan = plan.with_vmap_levels()   # vmap then tells what varies
-            program, outputs = build_program(self._fun, plan, jax.tree.structure(args),
-                                             flat_specs, self._out_axes, self._user_out_axes,
-                                             variance)
-            tree, leaves = jax.tree.structure(args), jax.tree.leaves(args)
-            with logical_axes(plan.logical_axes()), _enclosing_mesh(), \
-                    watch_mesh_ops_in_while() as mesh_ops_in_while:
-                results = self._trace(program, plan, tree, leaves, flat_specs, nested)
-            if nested:
-                results = [_unsharded_type(x) for x in results]
-            elif plan.mesh is None and not spmd_axis_names():   # (else _program constrains)
-                results = [constrain_on_auto_mesh(x, plan, s)
-                           for x, s in zip(results, outputs.specs)]
-            if mesh_ops_in_while and plan.mesh is not None:   # rare: one more trace
-                with _enclosing_mesh():
-                    check_uniform_trip_counts(self._fun, plan, tree, leaves, flat_specs)
-            return jax.tree.unflatten(outputs.tree, results)
+            return self._run(mesh, resources, args)
 
         run.__name__ = getattr(self._fun, "__name__", "xmapped")
         jit_kwargs = {"backend": _present(self._backend)} if self._backend is not None else {}
         jitted = jax.jit(run, donate_argnums=self._donate_argnums, **jit_kwargs)
         on_mesh = jitted if mesh is None or not _concrete_mesh_unset() else _UnderMesh(mesh, jitted)
         if mesh is None or _names_mesh_axes(resources, mesh) or jax.process_count() > 1:
-            return on_mesh
-        return _OffMesh(mesh, jitted, on_mesh)
+            return on_mesh, run
+        return _OffMesh(mesh, jitted, on_mesh), run
+
+    def _run(self, mesh: Mesh | None, resources: dict, args: tuple) -> Any:
+        """What the jitted program traces: plan, checks, then the program."""
+        nested = _ENCLOSING_MESH.get() is not None
+        plan, flat_specs = self._plan(args, mesh, resources)
+        _refuse_inputs_on_another_mesh(args, plan, flat_specs)
+        args = _replicated_off_mesh(args)
+        if self._body_only_names:
+            with _enclosing_mesh():
+                self._check_body_uses(plan, args, flat_specs)
+        with _enclosing_mesh():
+            variance = analyse_shared(self._fun, plan, jax.tree.structure(args),
+                                      jax.tree.leaves(args), flat_specs)
+        if variance is None and shared_resources(plan) and plan.unvmapped():
+            plan = plan.with_vmap_levels()   # vmap then tells what varies
+        try:
+            results, outputs = self._traced_program(plan, args, flat_specs, variance, nested)
+        except NeedsVmapLevels:   # rare: the body's one more trace
+            results, outputs = self._traced_program(plan.with_vmap_levels(), args,
+                                                    flat_specs, variance, nested)
+        if nested:
+            results = [_unsharded_type(x) for x in results]
+        elif plan.mesh is None and not spmd_axis_names():   # (else _program constrains)
+            results = [constrain_on_auto_mesh(x, plan, s)
+                       for x, s in zip(results, outputs.specs)]
+        return jax.tree.unflatten(outputs.tree, results)
+
+    def _traced_program(self, plan: Plan, args: tuple, flat_specs: list, variance, nested: bool):
+        """The plan's program traced on ``args``: (flat results, its _Outputs)."""
+        tree, leaves = jax.tree.structure(args), jax.tree.leaves(args)
+        program, outputs = build_program(self._fun, plan, tree, flat_specs, self._out_axes,
+                                         self._user_out_axes, variance)
+        with logical_axes(plan.logical_axes()), _enclosing_mesh():
+            return self._trace(program, plan, tree, leaves, flat_specs, nested), outputs
 
     def _check_body_uses(self, plan: Plan, args: tuple, flat_specs: list) -> None:
         """A name that only ``axis_sizes`` gives and that the body does not use
@@ -296,7 +308,7 @@ class XmapFunction:
         shard_map: typed on the body's mesh (see ``_jax.pin_constant``)."""
         try:
             return program(*leaves)
-        except NxopsError:
+        except (NxopsError, NeedsVmapLevels):
             raise
         except Exception as e:
             if plan.mesh is None:
@@ -624,6 +636,11 @@ def _shared_jits(fun: Callable, definition: tuple) -> dict:
         return {}
 
 
+def _as_array(x: Any) -> Any:
+    """An argument as jax.jit passes it on (Python scalars weakly typed)."""
+    return x if isinstance(x, jax.Array) else jax.numpy.asarray(x)
+
+
 def _quote(spec: Any) -> str:
     return repr(spec).replace("Ellipsis", "...")
 
@@ -639,6 +656,27 @@ def _non_array_argument_error(args: tuple) -> NxopsError | None:
                 f"({leaf!r:.60}), not an array: xmapped functions take arrays, scalars "
                 f"and pytrees of them. Close over other values (functools.partial or a "
                 f"lambda) instead of passing them.")
+    return None
+
+
+def _explained_value_error(error: ValueError, args: tuple) -> NxopsError | None:
+    """What a ValueError of JAX's means for this call, when nxops knows."""
+    if isinstance(error, NxopsError):
+        return None
+    if spmd_axis_names() and "verifier errors" in str(error):
+        return NxopsError(
+            f"JAX {jax.__version__} cannot lower this xmap under jax.vmap(..., "
+            f"spmd_axis_name={sorted(spmd_axis_names())}): its shard_map batching rule "
+            "builds a manual computation whose shapes do not match (a JAX bug; JAX "
+            "0.10.2 lowers it). Map the vmapped dimension as a named axis of the xmap "
+            "instead (in_axes/out_axes with axis_resources on that mesh axis).")
+    if jax.process_count() > 1 and _process_local_inputs(args):
+        return NxopsError(
+            "In a program over several processes, every nx.xmap input must be a global "
+            "jax.Array on the mesh, but some inputs live on this process's devices only. "
+            "Build them with jax.make_array_from_process_local_data(sharding, local_data) "
+            "or jax.make_array_from_callback(shape, sharding, callback), with sharding = "
+            "NamedSharding(mesh, PartitionSpec(...)).")
     return None
 
 

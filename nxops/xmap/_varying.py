@@ -11,17 +11,16 @@ them once, when it is made: the body is traced to a jaxpr with each logical
 name bound as a plain named axis, and the set of names every value varies
 along is propagated through it (names only, no data).
 
-The same walk tells which names each result varies along. A name carried by
-mesh axes alone runs without a vmap level (``_program.py``), so no ``vmap``
-reports whether a result varies along it; the walk does, so that a result
-whose ``out_axes`` omit such a name and that varies along it is still an error.
-
-Only plans where two names share a resource, or with a name on mesh axes
-alone, pay for this trace, and plans over mesh axes whose program traced a
-named op over mesh axes inside a ``lax.while_loop``: a loop whose predicate
-varies along a name mapped to mesh axes runs a different trip count on those
-devices, and a collective over them inside it would deadlock (XLA:CPU aborts
-after a rendezvous timeout; GPUs and TPUs hang). The same walk refuses that.
+Only plans where two names share a resource pay for this trace. Every plan
+over mesh axes walks the jaxpr of its program's one trace instead, in mesh
+axes (``_custom_rules.walk_program``): a name carried by mesh axes alone runs
+without a vmap level (``_program.py``), so no ``vmap`` reports whether a
+result varies along it; the walk does, so that a result whose ``out_axes``
+omit such a name and that varies along it is still an error. The same walk
+refuses a ``lax.while_loop`` whose predicate varies along mesh axes with a
+collective across them inside: the devices would run different trip counts
+and the collective deadlock (XLA:CPU aborts after a rendezvous timeout; GPUs
+and TPUs hang).
 """
 from __future__ import annotations
 
@@ -63,31 +62,19 @@ def shared_resources(plan: Plan) -> dict[frozenset, Any]:
     return shared
 
 
-def analyse_body(body: Callable, plan: Plan, in_tree, flat_args: Sequence,
-                 flat_specs: Sequence[AxisSpec]) -> list[Names] | None:
-    """The names each flattened result of ``body`` varies along.
+def analyse_shared(body: Callable, plan: Plan, in_tree, flat_args: Sequence,
+                   flat_specs: Sequence[AxisSpec]) -> list[Names] | None:
+    """The names each flattened result of ``body`` varies along, for a plan
+    where two names share a resource (None, without tracing, for any other).
 
     Raises NxopsError if a value varies along two names that share a resource,
     or a collective over one of them takes a value varying along the other.
-    Returns None, without tracing, when no names share a resource and every
-    name has a vmap level; also None when the body does not trace on one
-    instance with the names bound as plain axes (e.g. it calls ``lax.psum``
-    over a mesh axis): the program's own trace then reports any error."""
+    Also None when the body does not trace on one instance with the names
+    bound as plain axes (e.g. it calls ``lax.psum`` over a mesh axis): the
+    program's own trace then reports any error."""
     shared = shared_resources(plan)
-    if not shared and not plan.unvmapped():
+    if not shared:
         return None
-    return _analyze(body, plan, in_tree, flat_args, flat_specs, shared)
-
-
-def check_uniform_trip_counts(body: Callable, plan: Plan, in_tree, flat_args: Sequence,
-                              flat_specs: Sequence[AxisSpec]) -> None:
-    """Raises NxopsError if a ``lax.while_loop`` of ``body`` whose predicate
-    varies along a name mapped to mesh axes holds a collective over those
-    axes (the devices would run different trip counts: a deadlock)."""
-    _analyze(body, plan, in_tree, flat_args, flat_specs, shared_resources(plan))
-
-
-def _analyze(body, plan: Plan, in_tree, flat_args, flat_specs, shared) -> list[Names] | None:
     try:
         jaxpr = _trace_per_instance(body, plan, in_tree, flat_args, flat_specs)
     except Exception:  # a use of the names, or the body's own error
@@ -96,7 +83,7 @@ def _analyze(body, plan: Plan, in_tree, flat_args, flat_specs, shared) -> list[N
         return None
     logical = {a.vmap_name: a.name for a in plan.axes}
     mesh_axes = {a.name: a.mesh_axes for a in plan.axes if a.mesh_axes}
-    analysis = _Analysis(logical, shared, mesh_axes)
+    analysis = VaryingWalk(logical, shared, mesh_axes)
     variance = analysis.run(jaxpr.jaxpr, [Names(s.axis_names) for s in flat_specs])
     # None: every name then gets a vmap level, under which such a cond's
     # index is batched, and JAX runs every branch on every device (a select).
@@ -124,7 +111,7 @@ def _all_eqns(jaxprs: list[Jaxpr]):
     for jaxpr in jaxprs:
         for eqn in jaxpr.eqns:
             yield eqn
-            yield from _all_eqns([_open(j) for j in _sub_jaxprs(eqn.params)])
+            yield from _all_eqns([open_jaxpr(j) for j in _sub_jaxprs(eqn.params)])
 
 
 def closed_over_constants(body: Callable, plan: Plan, in_tree, flat_args: Sequence,
@@ -159,14 +146,17 @@ def _trace_per_instance(body, plan: Plan, in_tree, flat_args, flat_specs,
 _CUSTOM_RULE_PRIMITIVES = {"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
 
 
-class _Analysis:
+class VaryingWalk:
     """Propagates, equation by equation, the logical names each variable of a
     jaxpr varies along, and raises at the first pair sharing a resource."""
 
     def __init__(self, logical: dict, shared: dict[frozenset, Any],
                  mesh_axes: dict[str, tuple[str, ...]] | None = None,
-                 on_custom_vjp: Callable | None = None):
+                 on_custom_vjp: Callable | None = None, shown: dict | None = None):
         self._logical = logical   # physical (vmap) name -> logical name
+        # A walk in mesh axes names them in its errors by the plan's names:
+        # mesh axis -> (logical name, that name's mesh axes).
+        self._shown = shown or {}
         # Called with (eqn, operand names, result names) at each custom_vjp call.
         self._on_custom_vjp = on_custom_vjp
         self._shared = shared
@@ -229,7 +219,7 @@ class _Analysis:
 
     def _eqn_with_sub_jaxprs(self, eqn, ins: list[Names]) -> list[Names]:
         params, n_out = eqn.params, len(eqn.outvars)
-        sub = [_open(j) for j in _sub_jaxprs(params)]
+        sub = [open_jaxpr(j) for j in _sub_jaxprs(params)]
         if len(sub) == 1 and len(sub[0].invars) == len(ins) and len(sub[0].outvars) == n_out:
             return self.run(sub[0], ins)   # jit, checkpoint, custom_jvp/vjp, shard_map, ...
         if sub:
@@ -253,7 +243,7 @@ class _Analysis:
             names = grown
 
     def _scan(self, eqn, ins):
-        body = _open(eqn.params["jaxpr"])
+        body = open_jaxpr(eqn.params["jaxpr"])
         n_consts, n_carry = scan_split(eqn.params)
         consts, carry = ins[:n_consts], ins[n_consts:n_consts + n_carry]
         xs = ins[n_consts + n_carry:]
@@ -266,7 +256,7 @@ class _Analysis:
 
     def _while(self, eqn, ins):
         p = eqn.params
-        cond, body = _open(p["cond_jaxpr"]), _open(p["body_jaxpr"])
+        cond, body = open_jaxpr(p["cond_jaxpr"]), open_jaxpr(p["body_jaxpr"])
         n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
         cond_consts, body_consts = ins[:n_cond], ins[n_cond:n_cond + n_body]
         carry = ins[n_cond + n_body:]
@@ -290,12 +280,14 @@ class _Analysis:
         for eqn, names in self._collectives(jaxprs):
             spanned = [m for n in names for m in self._mesh_axes.get(n, ()) if m in varying]
             if spanned:
-                name = varying[spanned[0]]
+                name, name_axes = self._shown.get(varying[spanned[0]], (
+                    varying[spanned[0]], self._mesh_axes[varying[spanned[0]]]))
+                over = sorted({self._shown.get(n, (n,))[0] for n in names})
                 raise NxopsError(
                     f"A lax.while_loop in the xmapped function{_where(loop_eqn)} has a "
                     f"predicate that varies along {name!r}, which axis_resources maps to mesh "
-                    f"axes {self._mesh_axes[name]}, and inside it {eqn.primitive.name} over "
-                    f"{', '.join(map(repr, sorted(names)))}{_where(eqn)} communicates across "
+                    f"axes {name_axes}, and inside it {eqn.primitive.name} over "
+                    f"{', '.join(map(repr, over))}{_where(eqn)} communicates across "
                     f"mesh axis {spanned[0]!r}. The devices along it would run different trip "
                     f"counts and the collective would deadlock (a hang on GPU/TPU, an abort "
                     f"on CPU). Make the trip count uniform (compute the predicate from values "
@@ -311,7 +303,7 @@ class _Analysis:
                 names = self._communicates_over(eqn)
                 if names:
                     yield eqn, names
-                yield from self._collectives([_open(j) for j in core.jaxprs_in_params(eqn.params)])
+                yield from self._collectives([open_jaxpr(j) for j in core.jaxprs_in_params(eqn.params)])
 
     def _communicates_over(self, eqn) -> Names:
         if eqn.primitive.name in _LAX_COLLECTIVES:
@@ -323,7 +315,7 @@ class _Analysis:
 
     def _cond(self, eqn, ins):
         index, operands = ins[0], ins[1:]
-        branches = [_open(branch) for branch in eqn.params["branches"]]
+        branches = [open_jaxpr(branch) for branch in eqn.params["branches"]]
         results = [self.run(branch, operands) for branch in branches]
         varying = {m for n in index for m in self._mesh_axes.get(n, ())}
         if varying and any(m in varying for _, names in self._collectives(branches)
@@ -371,7 +363,7 @@ def _sub_jaxprs(params) -> list:
     return found
 
 
-def _open(jaxpr: Jaxpr | ClosedJaxpr) -> Jaxpr:
+def open_jaxpr(jaxpr: Jaxpr | ClosedJaxpr) -> Jaxpr:
     return jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
 
 

@@ -1,0 +1,300 @@
+"""How long ``nx.xmap`` takes to reach its first result, against the same
+program written by hand with ``jax.shard_map`` (its twin), in one run.
+
+Programs, each ``jax.jit(jax.value_and_grad(loss))`` over the (dp=2, mp) mesh
+with the batch on ``dp`` and the model shards on ``mp``:
+
+- ``fg_mlp``: Megatron's column- then row-parallel MLP written with the f/g
+  operators (custom_vjps around ``psum``; ``tests/_megatron.py``);
+- ``training_step``: the Megatron-style block of ``bench_training.py``
+  (``psum`` over the shards, vocab logits, cross-entropy, ``pmean``);
+- ``gptj_stack``: GPT-J's layer (layer norm, attention and MLP in parallel,
+  f/g operators) stacked ``GPTJ_LAYERS`` times, at toy width (tracing cost
+  grows with the layers, not the width).
+
+Per sample, one fresh process (``subprocess``) times the first call of a
+fresh jitted step (trace + lower + compile + run), then, for another fresh
+function object in the same process, ``.lower`` (trace + lower) and
+``.compile()``. Samples alternate nxops and twin (which goes first
+alternates per round); the table holds the medians.
+
+    python -m bench.bench_first_call --rounds 5 --programs fg_mlp training_step
+    python -m bench.bench_first_call --rounds 3 --programs gptj_stack
+    python -m bench.bench_first_call --lower-in-process 15 --programs fg_mlp training_step
+    python -m bench.bench_first_call --worker fg_mlp 2 xmap  # one sample, as JSON
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+DP = 2
+PROGRAMS = ("fg_mlp", "training_step", "gptj_stack")
+IMPLS = ("xmap", "twin")
+GPTJ_LAYERS = 28
+
+
+def _setup_devices(n: int = 8) -> None:
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+# -- the programs: (step factory, operands, partition specs) ------------------
+
+
+def _fg_mlp(mp: int):
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+
+    import nxops as nx
+    from tests._megatron import fg_operators
+
+    T, D, H = 64, 512, 2048
+
+    def body(psum):
+        def mlp(x, w1, w2):
+            f, g = fg_operators(psum, "s" if psum is nx.psum else "mp")
+            return g(jax.nn.gelu(f(x) @ w1) @ w2)
+        return mlp
+
+    k = jax.random.split(jax.random.key(0), 3)
+    operands = (jax.random.normal(k[0], (DP, T, D)),
+                jax.random.normal(k[1], (mp, D, H // mp)) / D**0.5,
+                jax.random.normal(k[2], (mp, H // mp, D)) / H**0.5)
+    specs = (P("dp"), P("mp"), P("mp"))
+
+    def xmapped():
+        return nx.xmap(body(nx.psum), (["b", ...], ["s", ...], ["s", ...]), ["b", ...],
+                       axis_resources={"b": "dp", "s": "mp"})
+
+    def twin():
+        local = lambda x, w1, w2: body(lax.psum)(x[0], w1[0], w2[0])[None]
+        return jax.shard_map(local, in_specs=specs, out_specs=P("dp"), check_vma=False)
+    return {"xmap": xmapped, "twin": twin}, operands, specs
+
+
+def _training_step(mp: int):
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    import nxops as nx
+    from bench.bench_training import IN_AXES, named_block, shard_map_twin
+
+    B, D, H, V = 32, 256, 1024, 512
+    resources = {"batch": "dp", "shard": "mp"}
+    k = jax.random.split(jax.random.key(0), 5)
+    operands = (jax.random.normal(k[0], (mp, D, H // mp)) / D**0.5,
+                jax.random.normal(k[1], (mp, H // mp, D)) / H**0.5,
+                jax.random.normal(k[2], (D, V)) / D**0.5,
+                jax.random.normal(k[3], (DP, B, D)),
+                jax.random.randint(k[4], (DP, B), 0, V))
+    specs = (P("mp"), P("mp"), P(), P("dp"), P("dp"))
+    return {"xmap": lambda: nx.xmap(lambda *a: named_block(*a), IN_AXES, [],
+                                    axis_resources=resources),
+            "twin": lambda: shard_map_twin(resources, jax.sharding.get_abstract_mesh())[0]
+            }, operands, specs
+
+
+def _gptj_stack(mp: int, layers: int = GPTJ_LAYERS):
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+
+    import nxops as nx
+    from tests._megatron import fg_operators
+
+    T, D, HEADS, HEAD_DIM, FFN = 16, 64, 8, 8, 256
+    local_heads = HEADS // mp
+
+    def layer(p, x, f, g):
+        h = (x - jnp.mean(x, -1, keepdims=True)) * lax.rsqrt(jnp.var(x, -1, keepdims=True) + 1e-5)
+        h = f(h * p["ln"])
+        q, k, v = jnp.split((h @ p["qkv"]).reshape(T, 3 * local_heads, HEAD_DIM), 3, axis=1)
+        scores = jnp.einsum("thd,shd->hts", q, k) / HEAD_DIM**0.5
+        scores = jnp.where(jnp.tril(jnp.ones((T, T), bool)), scores, -1e9)
+        attention = jnp.einsum("hts,shd->thd", jax.nn.softmax(scores, -1), v)
+        mlp = jax.nn.gelu(h @ p["ffn_in"]) @ p["ffn_out"]
+        return x + g(attention.reshape(T, -1) @ p["out"] + mlp)
+
+    def stack(psum, axis):
+        def forward(params, x):
+            f, g = fg_operators(psum, axis)
+            for p in params:
+                x = layer(p, x, f, g)
+            return x
+        return forward
+
+    keys = iter(jax.random.split(jax.random.key(0), 4 * layers + 1))
+    normal = lambda shape, fan_in: jax.random.normal(next(keys), shape) / fan_in**0.5
+    params = [{"ln": jnp.ones((D,)),
+               "qkv": normal((mp, D, 3 * local_heads * HEAD_DIM), D),
+               "out": normal((mp, local_heads * HEAD_DIM, D), HEADS * HEAD_DIM),
+               "ffn_in": normal((mp, D, FFN // mp), D),
+               "ffn_out": normal((mp, FFN // mp, D), FFN)} for _ in range(layers)]
+    operands = (params, normal((DP, T, D), 1))
+    layer_specs = {"ln": P(), "qkv": P("mp"), "out": P("mp"), "ffn_in": P("mp"),
+                   "ffn_out": P("mp")}
+    specs = ([layer_specs] * layers, P("dp"))
+    layer_axes = {"ln": [...], "qkv": ["s", ...], "out": ["s", ...], "ffn_in": ["s", ...],
+                  "ffn_out": ["s", ...]}
+
+    def xmapped():
+        return nx.xmap(stack(nx.psum, "s"), ([layer_axes] * layers, ["b", ...]), ["b", ...],
+                       axis_resources={"b": "dp", "s": "mp"})
+
+    def twin():
+        def local(params, x):
+            shard = [{n: w if n == "ln" else w[0] for n, w in p.items()} for p in params]
+            return stack(lax.psum, "mp")(shard, x[0])[None]
+        return jax.shard_map(local, in_specs=specs, out_specs=P("dp"), check_vma=False)
+    return {"xmap": xmapped, "twin": twin}, operands, specs
+
+
+BUILDERS = {"fg_mlp": _fg_mlp, "training_step": _training_step, "gptj_stack": _gptj_stack}
+
+
+def _step(make):
+    """A fresh ``jit(value_and_grad(loss))`` around a fresh program."""
+    import jax
+    import jax.numpy as jnp
+    program = make()
+    loss = lambda *a: jnp.mean(program(*a) ** 2)
+    return jax.jit(jax.value_and_grad(loss, argnums=0))
+
+
+def worker(program: str, mp: int, impl: str, gptj_layers: int = GPTJ_LAYERS) -> dict:
+    """One sample in this (fresh) process: first call, then trace + lower and compile."""
+    _setup_devices()
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AxisType, NamedSharding
+
+    mesh = jax.make_mesh((DP, mp), ("dp", "mp"), axis_types=(AxisType.Auto,) * 2,
+                         devices=jax.devices()[:DP * mp])
+    with jax.set_mesh(mesh):
+        build = BUILDERS[program]
+        makers, operands, specs = (build(mp, gptj_layers) if program == "gptj_stack"
+                                   else build(mp))
+        args = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)),
+                            operands, specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
+        jax.block_until_ready(jax.jit(lambda a: a + 1)(jnp.ones(2)))   # the runtime, started
+        start = time.perf_counter()
+        value = jax.block_until_ready(_step(makers[impl])(*args))
+        first_call = time.perf_counter() - start
+        step = _step(makers[impl])
+        start = time.perf_counter()
+        lowered = step.lower(*args)
+        traced = time.perf_counter()
+        lowered.compile()
+        compiled = time.perf_counter()
+    return {"first_call_s": first_call, "trace_lower_s": traced - start,
+            "compile_s": compiled - traced, "loss": float(value[0])}
+
+
+def lower_ratios(program: str, mp: int, repeats: int, gptj_layers: int = GPTJ_LAYERS) -> dict:
+    """In this process: ``repeats`` rounds of trace + lower of a fresh step,
+    nxops and twin alternating (ABBA), after one warm-up each. Returns the
+    medians and the median of the per-round ratios, steadier than fresh
+    processes for this part (no process start in the spread)."""
+    _setup_devices()
+    import jax
+    from jax.sharding import AxisType, NamedSharding
+
+    mesh = jax.make_mesh((DP, mp), ("dp", "mp"), axis_types=(AxisType.Auto,) * 2,
+                         devices=jax.devices()[:DP * mp])
+    with jax.set_mesh(mesh):
+        build = BUILDERS[program]
+        makers, operands, specs = (build(mp, gptj_layers) if program == "gptj_stack"
+                                   else build(mp))
+        args = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)),
+                            operands, specs,
+                            is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
+        times: dict = {impl: [] for impl in IMPLS}
+        for r in range(repeats + 1):
+            for impl in (IMPLS if r % 2 == 0 else IMPLS[::-1]):
+                step = _step(makers[impl])
+                start = time.perf_counter()
+                step.lower(*args)
+                if r:   # round 0 warms up
+                    times[impl].append(time.perf_counter() - start)
+    ratios = [x / t for x, t in zip(times["xmap"], times["twin"])]
+    return {"xmap_s": statistics.median(times["xmap"]), "twin_s": statistics.median(times["twin"]),
+            "ratio": statistics.median(ratios)}
+
+
+def _sample(program: str, mp: int, impl: str, gptj_layers: int) -> dict:
+    out = subprocess.run([sys.executable, "-m", "bench.bench_first_call", "--worker", program,
+                          str(mp), impl, "--gptj-layers", str(gptj_layers)], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run(programs, mps, rounds: int, gptj_layers: int = GPTJ_LAYERS) -> list[dict]:
+    rows = []
+    for program in programs:
+        for mp in mps:
+            samples: dict = {impl: [] for impl in IMPLS}
+            for r in range(rounds):
+                for impl in (IMPLS if r % 2 == 0 else IMPLS[::-1]):
+                    samples[impl].append(_sample(program, mp, impl, gptj_layers))
+            losses = {impl: samples[impl][0]["loss"] for impl in IMPLS}
+            if abs(losses["xmap"] - losses["twin"]) > 1e-4 * max(1.0, abs(losses["twin"])):
+                raise AssertionError(f"{program} mp={mp}: the losses differ: {losses}")
+            median = {impl: {k: statistics.median(s[k] for s in samples[impl])
+                             for k in ("trace_lower_s", "compile_s", "first_call_s")}
+                      for impl in IMPLS}
+            rows.append({"program": program, "mp": mp, "rounds": rounds, **median})
+            print(_row(rows[-1]), flush=True)
+    return rows
+
+
+HEADER = ("| program | mp | trace + lower, xmap / twin | compile, xmap / twin "
+          "| first call, xmap / twin |\n|---|---|---|---|---|")
+
+
+def _row(row: dict) -> str:
+    x, t = row["xmap"], row["twin"]
+    cells = [f"{x[k]:.2f} / {t[k]:.2f} s = **{x[k] / t[k]:.2f}x**"
+             for k in ("trace_lower_s", "compile_s", "first_call_s")]
+    return f"| {row['program']} | {row['mp']} | " + " | ".join(cells) + " |"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worker", nargs=3, metavar=("PROGRAM", "MP", "IMPL"))
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--programs", nargs="+", default=list(PROGRAMS), choices=PROGRAMS)
+    parser.add_argument("--mp", nargs="+", type=int, default=[2, 4])
+    parser.add_argument("--gptj-layers", type=int, default=GPTJ_LAYERS)
+    parser.add_argument("--lower-in-process", type=int, metavar="ROUNDS",
+                        help="only trace + lower, ROUNDS interleaved rounds in this process")
+    args = parser.parse_args(argv)
+    if args.worker:
+        program, mp, impl = args.worker
+        print(json.dumps(worker(program, int(mp), impl, args.gptj_layers)))
+        return
+    if args.lower_in_process:
+        print("| program | mp | trace + lower, xmap / twin (medians) | median per-round ratio |\n"
+              "|---|---|---|---|")
+        for program in args.programs:
+            for mp in args.mp:
+                r = lower_ratios(program, mp, args.lower_in_process, args.gptj_layers)
+                print(f"| {program} | {mp} | {r['xmap_s']:.3f} / {r['twin_s']:.3f} s "
+                      f"| **{r['ratio']:.2f}x** |", flush=True)
+        return
+    print(HEADER, flush=True)
+    run(args.programs, args.mp, args.rounds, args.gptj_layers)
+
+
+if __name__ == "__main__":
+    main()
