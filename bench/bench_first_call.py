@@ -51,7 +51,6 @@ def _setup_devices(n: int = 8) -> None:
 
 def _fg_mlp(mp: int):
     import jax
-    import jax.numpy as jnp
     from jax import lax
     from jax.sharding import PartitionSpec as P
 
@@ -234,7 +233,8 @@ def lower_ratios(program: str, mp: int, repeats: int, gptj_layers: int = GPTJ_LA
 
 def _sample(program: str, mp: int, impl: str, gptj_layers: int) -> dict:
     out = subprocess.run([sys.executable, "-m", "bench.bench_first_call", "--worker", program,
-                          str(mp), impl, "--gptj-layers", str(gptj_layers)], capture_output=True, text=True, check=True,
+                          str(mp), impl, "--gptj-layers", str(gptj_layers)],
+                         capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return json.loads(out.stdout.strip().splitlines()[-1])
 
