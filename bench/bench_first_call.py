@@ -239,6 +239,19 @@ def _sample(program: str, mp: int, impl: str, gptj_layers: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def check_same_loss(what: str, samples: dict) -> None:
+    losses = {impl: samples[impl]["loss"] for impl in IMPLS}
+    if abs(losses["xmap"] - losses["twin"]) > 1e-4 * max(1.0, abs(losses["twin"])):
+        raise AssertionError(f"{what}: the losses differ: {losses}")
+
+
+def test_every_program_runs():
+    """The benchmark's code, untimed and in this process (CI keeps it from
+    rotting): each program, the GPT-J stack at 2 layers, gives the twin's loss."""
+    for program in PROGRAMS:
+        check_same_loss(program, {impl: worker(program, 2, impl, gptj_layers=2) for impl in IMPLS})
+
+
 def run(programs, mps, rounds: int, gptj_layers: int = GPTJ_LAYERS) -> list[dict]:
     rows = []
     for program in programs:
@@ -247,9 +260,7 @@ def run(programs, mps, rounds: int, gptj_layers: int = GPTJ_LAYERS) -> list[dict
             for r in range(rounds):
                 for impl in (IMPLS if r % 2 == 0 else IMPLS[::-1]):
                     samples[impl].append(_sample(program, mp, impl, gptj_layers))
-            losses = {impl: samples[impl][0]["loss"] for impl in IMPLS}
-            if abs(losses["xmap"] - losses["twin"]) > 1e-4 * max(1.0, abs(losses["twin"])):
-                raise AssertionError(f"{program} mp={mp}: the losses differ: {losses}")
+            check_same_loss(f"{program} mp={mp}", {impl: samples[impl][0] for impl in IMPLS})
             median = {impl: {k: statistics.median(s[k] for s in samples[impl])
                              for k in ("trace_lower_s", "compile_s", "first_call_s")}
                       for impl in IMPLS}
