@@ -153,6 +153,18 @@ def compile_gpu(fn: Callable, *args: jax.ShapeDtypeStruct, arch: str = "h100",
     return GpuCompileReport(ARCHS[arch], compiled, compiled.as_text(), kernels)
 
 
+@functools.lru_cache(maxsize=None)
+def compile_reduction(backend: str, op: str, axes, dtype: str, shape: tuple[int, ...],
+                      arch: str = "h100") -> GpuCompileReport:
+    """``nx.<op>(x, axes)`` for an ``x`` of ``shape`` and ``dtype``, compiled
+    for ``arch`` with the reduce kernels of ``backend``. Cached: several
+    static test modules read the same programs, and each compile runs ptxas."""
+    import nxops as nx
+    with nx.kernels.use(backend):
+        return compile_gpu(lambda v: getattr(nx, op)(v, axes),
+                           jax.ShapeDtypeStruct(shape, jax.numpy.dtype(dtype)), arch=arch)
+
+
 @contextlib.contextmanager
 def _triton_kernels_dumped(dump: pathlib.Path):
     """nxops' Triton kernels (jax-triton custom calls, compiled to PTX while

@@ -36,8 +36,8 @@ hypothesis.settings.register_profile("ci", max_examples=1, derandomize=True, dea
 hypothesis.settings.register_profile("local", max_examples=20, deadline=None, print_blob=True,
                                      phases=_NO_SHRINK)
 PROFILE = os.environ.get("NXOPS_ORACLE_PROFILE", "ci")
-PROGRAMS_PER_EXAMPLE = 40   # the composed oracle (test_oracle_composed.py) shares the budget
-STRAIGHT_LINE_FLOOR = 1600
+PROGRAMS_PER_EXAMPLE = 24   # the composed oracle (test_oracle_composed.py) shares the budget
+STRAIGHT_LINE_FLOOR = 1000
 OP_NAMES_RESTRICTED = bool(os.environ.get("NXOPS_ORACLE_OPS"))
 OP_NAMES = sorted(os.environ["NXOPS_ORACLE_OPS"].split(",")) if OP_NAMES_RESTRICTED else sorted(
     P.OPS)
@@ -218,14 +218,18 @@ def test_resources_never_change_results(seed):
 
 def test_oracle_case_counts(capsys):
     """Runs after the oracle (same module): prints the case counts and checks
-    them. In every profile: under every placement, every drawn program was
-    checked by every transformation, or refused (collectives over a serial
-    loop). In the ci profile: the floor on the cases checked."""
+    them. In every profile: every op is in a drawn program, and under every
+    placement every drawn program was checked by every transformation, or
+    refused (collectives over a serial loop). In the ci profile: the floor on
+    the cases checked."""
     with capsys.disabled():
         _print_counts()
     if not EXAMPLES_RUN:
         pytest.skip("the straight-line oracle did not run in this session (deselected)")
-    drawn = sum(len(draw_programs(seed)) for seed in EXAMPLES_RUN)
+    batches = [draw_programs(seed) for seed in EXAMPLES_RUN]
+    drawn = sum(len(programs) for programs in batches)
+    unused = set(OP_NAMES) - {op for programs in batches for ops in programs for op in ops}
+    assert not unused, f"ops in no drawn program: {sorted(unused)}"
     for pid, *_ in PLACEMENTS:
         checked = {t: COUNTS[f"{t}:{pid}"] for t in TRANSFORMS}
         assert len(set(checked.values())) == 1, f"{pid}: cases per transformation {checked}"

@@ -6,7 +6,6 @@ loop loads exactly the bytes a step advances), the loop folds its tiles
 without crossing threads, nothing spills, and the grid fills 132 SMs."""
 import math
 
-import jax
 import jax.numpy as jnp
 import pytest
 
@@ -14,7 +13,6 @@ from tests._extras import missing_extra, require_gpu_compile
 
 require_gpu_compile()
 
-import nxops as nx
 from tests._deviceless import gpu, sass
 
 BACKENDS = ["pallas", "triton"]
@@ -30,9 +28,7 @@ except FileNotFoundError as missing:   # a venv made before the compile extra ha
 
 
 def _compile(backend, op, axis, dtype, shape):
-    fn = lambda v: getattr(nx, op)(v, axis)
-    with nx.kernels.use(backend):
-        report = gpu.compile_gpu(fn, jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)), arch="h100")
+    report = gpu.compile_reduction(backend, op, axis, dtype, shape, "h100")
     kernels = [k for k in report.kernels if k.name.startswith("nxops")]
     assert kernels, [k.name for k in report.kernels]
     return kernels

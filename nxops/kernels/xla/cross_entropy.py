@@ -393,6 +393,9 @@ def label_logits(h, w, labels):
     return jnp.where(own, picked, 0.0)
 
 
+# Jitted: the primitive's JVP and transpose call these directly, and an eager
+# jvp / jacfwd / hessian would otherwise dispatch their ops one at a time.
+@jax.jit
 def forward_with_grads(h, w, labels):
     """(stats [2, T] as ``forward``, softmax·wᵀ [T, H] f32, hᵀ·softmax [H, V] f32)."""
     (tokens, hidden), vocab = h.shape, w.shape[1]
@@ -436,6 +439,7 @@ def forward_with_grads(h, w, labels):
     return jnp.stack([lse, label_logits(h, w, labels)]), dh_unit, dw_unit
 
 
+@functools.partial(jax.jit, static_argnames=("size", "need_dh", "need_dw"))
 def backward_from_stored(h, w, labels, lse, g, dh_unit, dw_unit, size: int,
                          need_dh: bool = True, need_dw: bool = True):
     """(dh, dw) for the cotangent ``g`` [2, T] from ``forward_with_grads``'s
