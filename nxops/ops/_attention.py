@@ -32,7 +32,8 @@ from nxops.ops._axis_env import mesh_platform
 from nxops.ops._named_layout import along_vmap_names
 from nxops.ops._positions import axis_index
 from nxops.ops._cross_entropy import _check_axis_argument, _positional_dim, _resolve_name
-from nxops.ops._primitive import kernel_primitive, local_primitive, match_varying, selection_param
+from nxops.ops._primitive import (jvp_of_evaluation, kernel_primitive, local_primitive, match_varying,
+                                  selection_param)
 from nxops.ops._replicated import replicated_over
 
 OP = "nx.attention"
@@ -201,20 +202,8 @@ def _tangent_transpose(cts, *operands, scale, causal, block):
 ad.primitive_transposes[attention_tangent_p] = _tangent_transpose
 
 
-def _tangent_jvp(primals, tangents, **params):
-    """Forward mode of forward mode (jacfwd of jacfwd): the blockwise pass's own JVP."""
-    differentiable = tuple(i for i in range(len(primals)) if i not in (3, 4, 5))
-
-    def impl(*xs):
-        args = list(primals)
-        for i, x in zip(differentiable, xs):
-            args[i] = x
-        return _tangent_impl(*args, **params)
-    return jax.jvp(impl, [primals[i] for i in differentiable],
-                   [ad.instantiate_zeros(tangents[i]) for i in differentiable])
-
-
-ad.primitive_jvps[attention_tangent_p] = _tangent_jvp
+# Forward mode of forward mode: the blockwise pass's own JVP (positions and out get none).
+ad.primitive_jvps[attention_tangent_p] = jvp_of_evaluation(_tangent_impl, without_tangent=(3, 4, 5))
 
 
 def _tangent_batcher(vals_in, dims_in, **params):

@@ -33,7 +33,7 @@ from nxops.kernels.xla import cross_entropy as xla_cross_entropy
 from nxops.ops import _axis_env, _sum_then_tile
 from nxops.ops._axis_env import mesh_platform as _mesh_platform
 from nxops.ops._named_layout import along_vmap_names as _along_vmap_names
-from nxops.ops._primitive import (_abstract_eval_cached, _local_aval, kernel_primitive,
+from nxops.ops._primitive import (_abstract_eval_cached, _local_aval, jvp_of_evaluation, kernel_primitive,
                                   match_varying, selection_param)
 
 cross_entropy_p = kernel_primitive("nx_cross_entropy", "cross_entropy",
@@ -172,20 +172,8 @@ def _tangent_transpose(ct, h, w, labels, lse, dh_unit, dw_unit, dh, dw, *, size,
 ad.primitive_transposes[cross_entropy_tangent_p] = _tangent_transpose
 
 
-def _tangent_jvp(primals, tangents, **params):
-    """Forward mode of forward mode (jacfwd of jacfwd): the loop's own JVP."""
-    differentiable = (0, 1, 3, 6, 7)
-
-    def impl(*xs):
-        args = list(primals)
-        for i, x in zip(differentiable, xs):
-            args[i] = x
-        return _tangent_impl(*args, **params)
-    return jax.jvp(impl, [primals[i] for i in differentiable],
-                   [ad.instantiate_zeros(tangents[i]) for i in differentiable])
-
-
-ad.primitive_jvps[cross_entropy_tangent_p] = _tangent_jvp
+# Forward mode of forward mode: the loop's own JVP (labels and the stored units get none).
+ad.primitive_jvps[cross_entropy_tangent_p] = jvp_of_evaluation(_tangent_impl, without_tangent=(2, 4, 5))
 
 
 def _tangent_batcher(vals_in, dims_in, **params):

@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 import jax
 from jax import lax
 from jax.extend.core import Primitive
-from jax.interpreters import mlir
+from jax.interpreters import ad, mlir
 
 from nxops._jax import (api_util, core, dispatch, lower_per_platform, pe, sharding_impls,
                         source_info_util)
@@ -216,3 +216,20 @@ def local_primitive(name: str, reference: Callable[..., Sequence[Any]]) -> Primi
     prim.def_abstract_eval(abstract_eval)
     mlir.register_lowering(prim, lower)
     return prim
+
+
+def jvp_of_evaluation(impl: Callable[..., Any], without_tangent: tuple[int, ...]):
+    """A primitive's JVP rule that is JAX's JVP of ``impl``, its evaluation
+    (forward mode of forward mode: jacfwd of jacfwd), over every operand but
+    those at ``without_tangent`` (integer positions, saved residuals)."""
+    def rule(primals, tangents, **params):
+        tangent_at = [i for i in range(len(primals)) if i not in without_tangent]
+
+        def at(*xs):
+            args = list(primals)
+            for i, x in zip(tangent_at, xs):
+                args[i] = x
+            return impl(*args, **params)
+        return jax.jvp(at, [primals[i] for i in tangent_at],
+                       [ad.instantiate_zeros(tangents[i]) for i in tangent_at])
+    return rule
