@@ -25,7 +25,6 @@ import functools
 import os
 import re
 import sys
-import time
 from typing import Any, Callable
 
 import jax
@@ -67,7 +66,6 @@ class TpuCompileReport:
     estimates: list[tuple[int, int, int]]    # their pl.CostEstimate: flops, transcendentals, bytes
     memory: dict[str, int]
     cost: dict[str, float]
-    seconds: float                           # compile time
 
     @property
     def optimal_seconds(self) -> float | None:
@@ -94,10 +92,8 @@ def compile_tpu(fn: Callable, *args: jax.ShapeDtypeStruct, chip: str = "v5e") ->
     stacked = [jax.ShapeDtypeStruct((n * a.shape[0], *a.shape[1:]), a.dtype,
                                     sharding=NamedSharding(mesh, PartitionSpec("x"))) for a in args]
     body = jax.shard_map(fn, mesh=mesh, in_specs=PartitionSpec("x"), out_specs=PartitionSpec("x"))
-    start = time.perf_counter()
     with jax.set_mesh(mesh), _quiet_libtpu():
         compiled = jax.jit(body).trace(*stacked).lower().compile()
-    seconds = time.perf_counter() - start
     text = compiled.as_text()
     memory = compiled.memory_analysis()
     memory = {k: getattr(memory, k) for k in ("argument_size_in_bytes", "output_size_in_bytes",
@@ -106,7 +102,7 @@ def compile_tpu(fn: Callable, *args: jax.ShapeDtypeStruct, chip: str = "v5e") ->
     cost = {k: float(cost[k]) for k in _COST_KEYS if k in cost}
     return TpuCompileReport(chip, compiled, text, _KERNEL.findall(text),
                             [tuple(map(int, m)) for m in _ESTIMATE.findall(text)],
-                            memory, cost, seconds)
+                            memory, cost)
 
 
 @contextlib.contextmanager
