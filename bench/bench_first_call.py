@@ -26,6 +26,7 @@ alternates per round); the table holds the medians.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -171,12 +172,13 @@ def _step(make):
     return jax.jit(jax.value_and_grad(loss, argnums=0))
 
 
-def worker(program: str, mp: int, impl: str, gptj_layers: int = GPTJ_LAYERS) -> dict:
-    """One sample in this (fresh) process: first call, then trace + lower and compile."""
+@contextlib.contextmanager
+def _on_mesh(program: str, mp: int, gptj_layers: int):
+    """Inside the (dp, mp) mesh: the program's makers (nxops and twin) and its
+    operands placed by their specs."""
     _setup_devices()
     import jax
-    import jax.numpy as jnp
-    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
     mesh = jax.make_mesh((DP, mp), ("dp", "mp"), axis_types=(AxisType.Auto,) * 2,
                          devices=jax.devices()[:DP * mp])
@@ -185,7 +187,17 @@ def worker(program: str, mp: int, impl: str, gptj_layers: int = GPTJ_LAYERS) -> 
         makers, operands, specs = (build(mp, gptj_layers) if program == "gptj_stack"
                                    else build(mp))
         args = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)),
-                            operands, specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
+                            operands, specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
+        yield makers, args
+
+
+def worker(program: str, mp: int, impl: str, gptj_layers: int = GPTJ_LAYERS) -> dict:
+    """One sample in this (fresh) process: first call, then trace + lower and compile."""
+    _setup_devices()
+    import jax
+    import jax.numpy as jnp
+
+    with _on_mesh(program, mp, gptj_layers) as (makers, args):
         jax.block_until_ready(jax.jit(lambda a: a + 1)(jnp.ones(2)))   # the runtime, started
         start = time.perf_counter()
         value = jax.block_until_ready(_step(makers[impl])(*args))
@@ -205,19 +217,7 @@ def lower_ratios(program: str, mp: int, repeats: int, gptj_layers: int = GPTJ_LA
     nxops and twin alternating (ABBA), after one warm-up each. Returns the
     medians and the median of the per-round ratios, steadier than fresh
     processes for this part (no process start in the spread)."""
-    _setup_devices()
-    import jax
-    from jax.sharding import AxisType, NamedSharding
-
-    mesh = jax.make_mesh((DP, mp), ("dp", "mp"), axis_types=(AxisType.Auto,) * 2,
-                         devices=jax.devices()[:DP * mp])
-    with jax.set_mesh(mesh):
-        build = BUILDERS[program]
-        makers, operands, specs = (build(mp, gptj_layers) if program == "gptj_stack"
-                                   else build(mp))
-        args = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)),
-                            operands, specs,
-                            is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
+    with _on_mesh(program, mp, gptj_layers) as (makers, args):
         times: dict = {impl: [] for impl in IMPLS}
         for r in range(repeats + 1):
             for impl in (IMPLS if r % 2 == 0 else IMPLS[::-1]):
