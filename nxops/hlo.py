@@ -36,6 +36,8 @@ from typing import Any, Callable, Iterator
 
 import jax
 
+from nxops._errors import NxopsError
+
 __all__ = ["Collective", "collectives", "collective_traffic", "executions", "format_table",
            "bytes_per_device"]
 
@@ -129,7 +131,8 @@ def _balanced(text: str, start: int) -> int:
             stack.pop()
             if not stack:
                 return i + 1
-    raise ValueError(f"unbalanced brackets in HLO: {text[start:start + 80]!r}")
+    raise NxopsError(f"nx.hlo: unbalanced brackets in HLO at {text[start:start + 80]!r}: pass "
+                     "the whole text as XLA printed it, not a cut")
 
 
 def _split_top_level(text: str, sep: str = ",") -> list[str]:
@@ -228,9 +231,10 @@ def _group_size(attributes: str, num_devices: int | None) -> int:
     if pairs:
         return len(set(re.findall(r"\d+", pairs.group(1))))
     if "replica_groups=" in attributes and "replica_groups={}" not in attributes:
-        raise ValueError(f"cannot read the replica groups of this collective: {attributes[:300]}")
+        raise NxopsError(f"nx.hlo cannot read the replica groups of this collective (a form its "
+                         f"reader does not know: please report it with the HLO): {attributes[:300]}")
     if num_devices is None:
-        raise ValueError("the HLO has a collective over all devices (replica_groups={}) and no "
+        raise NxopsError("the HLO has a collective over all devices (replica_groups={}) and no "
                          "num_partitions/replica_count in its header: pass num_devices=")
     return num_devices
 
@@ -240,7 +244,8 @@ def _mesh_axes_group_size(match: re.Match) -> int:
     sizes = dict(re.findall(r"'([^']+)'\s*=\s*(\d+)", match.group(1)))
     names = re.findall(r"'([^']+)'", match.group(2))
     if not names or any(n not in sizes for n in names) or re.search(r"[^'\w\s,]", match.group(2)):
-        raise ValueError(f"cannot read the replica groups {match.group(0)!r}")
+        raise NxopsError(f"nx.hlo cannot read the replica groups {match.group(0)!r} (a form its "
+                         "reader does not know: please report it with the HLO)")
     size = 1
     for name in names:
         size *= int(sizes[name])
@@ -274,9 +279,10 @@ def _hlo_text(program: Any) -> str:
     elif hasattr(program, "as_text"):
         text = program.as_text()
     else:
-        raise TypeError(f"expected HLO text or a jax.stages Lowered/Compiled, got {type(program)}")
+        raise NxopsError(f"nx.hlo: expected HLO text or a jax.stages Lowered/Compiled, got "
+                         f"{type(program)}: pass jax.jit(f).lower(...) or its .compile()")
     if text.lstrip().startswith("module"):
-        raise ValueError("this is StableHLO (MLIR), not HLO text: pass the Lowered object, "
+        raise NxopsError("this is StableHLO (MLIR), not HLO text: pass the Lowered object, "
                          "lowered.as_text(dialect='hlo'), or compiled.as_text()")
     return text
 
@@ -334,7 +340,8 @@ def executions(program: Any) -> dict[str, int]:
     text = _hlo_text(program)
     entry = re.search(r"^ENTRY\s+%?([\w.\-]+)", text, re.MULTILINE)
     if entry is None:
-        raise ValueError("no ENTRY computation in this HLO text")
+        raise NxopsError("nx.hlo: no ENTRY computation in this HLO text: pass a whole module "
+                         "(lowered.as_text(dialect='hlo') or compiled.as_text()), not a fragment")
     calls: dict[str, list[tuple[str, int]]] = {}
     for inst in _instructions(text):
         for called in _called_computations(inst):
@@ -386,8 +393,10 @@ def bytes_per_device(program: Any, *, num_devices: int | None = None) -> float:
     for c in collectives(text, num_devices=num_devices):
         times = runs.get(c.computation, 0)
         if times < 0:
-            raise ValueError(f"collective {c.name} runs in a loop whose trip count XLA does not "
-                             f"know (computation {c.computation})")
+            raise NxopsError(f"nx.hlo.bytes_per_device: collective {c.name} runs in a loop whose trip "
+                             f"count XLA does not know (computation {c.computation}): give the "
+                             "loop static bounds (lax.fori_loop with Python ints), or read "
+                             "nx.hlo.collectives per iteration")
         total += times * c.bytes_per_device
     return total
 

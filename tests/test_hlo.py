@@ -8,6 +8,7 @@ import pytest
 from jax import lax
 from jax.sharding import AxisType, PartitionSpec as P
 
+import nxops as nx
 from nxops import hlo
 
 
@@ -106,8 +107,12 @@ def test_lowered_program_and_text():
     for program in (lowered, lowered.compile(), lowered.compile().as_text()):
         (c,) = hlo.collectives(program)
         assert (c.kind, c.group_size, c.bytes_per_device) == ("all-gather", 8, 7 * 2 * 4 * 4)
-    with pytest.raises(ValueError, match="StableHLO"):
+    with pytest.raises(nx.NxopsError, match="StableHLO"):
         hlo.collectives(lowered.as_text())
+    with pytest.raises(nx.NxopsError, match=r"nx.hlo: expected HLO text .* got <class 'int'>"):
+        hlo.collectives(3)
+    with pytest.raises(nx.NxopsError, match="no ENTRY computation"):
+        hlo.executions("%x = f32[2] parameter(0)")
     assert "all-gather" in hlo.format_table(hlo.collectives(lowered))
 
 
