@@ -13,7 +13,7 @@ from nxops._version import __version__ as __version__  # noqa: E402  (after the 
 from nxops import _config  # noqa: E402,F401  (after the version check; validates every NXOPS_* variable)
 from nxops import hlo, kernels, random  # noqa: E402  (after the version check)
 from nxops._export import export  # noqa: E402  (after the version check)
-from nxops.ops import attention  # noqa: E402  (after the version check)
+from nxops.ops import SequenceLayout, attention  # noqa: E402  (after the version check)
 from nxops.ops import (  # noqa: E402  (after the version check)
     all_gather, all_to_all, axis_index, axis_size, cross_entropy, einsum, logsumexp, max, mean, min, one_hot,
     pdot, pmax, pmean, pmin, ppermute, prod, psum, psum_scatter, std, sum, tile, untile, var,
@@ -26,7 +26,7 @@ from nxops.xmap import SerialLoop, axis_rules, serial_loop, xmap  # noqa: E402  
 
 
 __all__ = [
-    "attention",
+    "attention", "SequenceLayout",
     "NxopsError", "SerialLoop", "axis_rules", "export", "serial_loop", "xmap", "hlo", "random",
     "all_gather", "all_to_all", "axis_index", "axis_size", "cross_entropy", "einsum", "kernels",
     "logsumexp", "max", "mean", "min", "one_hot", "pdot", "pmax", "pmean", "pmin", "ppermute",

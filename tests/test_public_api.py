@@ -7,7 +7,7 @@ import nxops as nx
 API = ["xmap", "SerialLoop", "serial_loop", "sum", "max", "min", "mean", "prod", "logsumexp", "var", "std",
        "psum", "pmax", "pmin", "pmean", "einsum", "pdot", "axis_index", "axis_size", "one_hot",
        "all_gather", "psum_scatter", "all_to_all", "ppermute", "tile", "untile", "cross_entropy", "attention",
-       "NxopsError"]
+       "SequenceLayout", "NxopsError"]
 
 
 def test_every_public_name_is_exported():

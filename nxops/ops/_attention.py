@@ -30,11 +30,12 @@ from nxops.kernels.xla import attention as xla_attention
 from nxops.ops import _axis_env, _collectives, _sum_then_tile
 from nxops.ops._axis_env import mesh_platform
 from nxops.ops._named_layout import along_vmap_names
-from nxops.ops._positions import axis_index
+from nxops.ops._positions import axis_index, axis_size
 from nxops.ops._cross_entropy import _check_axis_argument, _positional_dim, _resolve_name
 from nxops.ops._primitive import (jvp_of_evaluation, kernel_primitive, local_primitive, match_varying,
                                   selection_param)
 from nxops.ops._replicated import replicated_over
+from nxops.ops._sequence_layout import SequenceLayout
 
 OP = "nx.attention"
 
@@ -316,18 +317,41 @@ def _check_shapes(q, k, v, seq):
                          f"{tuple(k.shape)}); a softmax over no keys is undefined.")
 
 
-def _query_positions(q_seq, token_shape):
+def _query_positions(q_seq, token_shape, layout):
     """Global query positions of q's token shape (0 without a q_seq)."""
     if q_seq is None:
         return jnp.zeros(token_shape, jnp.int32)
     if isinstance(q_seq, str):
-        return jnp.broadcast_to(axis_index(q_seq).astype(jnp.int32), token_shape)
-    dim = _positional_dim(q_seq, len(token_shape) + 1, what="q_seq", operand="q",
-                          shape=(*token_shape, "head"), op=OP)
-    if dim == len(token_shape):
-        raise NxopsError(f"{OP}: q_seq={q_seq} is q's last dim, its head dim; give the queries' "
-                         f"sequence axis.")
-    return lax.broadcasted_iota(jnp.int32, token_shape, dim)
+        stored, length = axis_index(q_seq).astype(jnp.int32), axis_size(q_seq)
+    else:
+        dim = _positional_dim(q_seq, len(token_shape) + 1, what="q_seq", operand="q",
+                              shape=(*token_shape, "head"), op=OP)
+        if dim == len(token_shape):
+            raise NxopsError(f"{OP}: q_seq={q_seq} is q's last dim, its head dim; give the "
+                             f"queries' sequence axis.")
+        stored, length = lax.broadcasted_iota(jnp.int32, token_shape, dim), token_shape[dim]
+    return jnp.broadcast_to(_global_positions(stored, length, layout, "q_seq", q_seq),
+                            token_shape)
+
+
+def _global_positions(stored, length, layout, what, axis):
+    """The global positions of a sequence's stored positions under ``layout``."""
+    if layout is None:
+        return stored
+    layout.check_length(length, f"{OP}: {what}={axis!r}")
+    return layout.positions(stored, length)
+
+
+def _check_layout(layout, causal):
+    if layout is None:
+        return
+    if not isinstance(layout, SequenceLayout):
+        raise NxopsError(f"{OP}: sequence_layout={layout!r}; give an nx.SequenceLayout (e.g. "
+                         f"nx.SequenceLayout('zigzag', shards=8)) or None (contiguous).")
+    if not causal:
+        raise NxopsError(f"{OP}: sequence_layout={layout!r} without causal=True: the layout "
+                         f"only says which keys the causal mask hides; without the mask the "
+                         f"order of the keys changes nothing (drop it).")
 
 
 def _as_scores(x, what, seq, vmap_names, token_shape, batch_ndim, keys):
@@ -382,19 +406,25 @@ def _gather_keys(k, v, k_pos, bias, names):
             None if bias is None else gather(bias, -1))
 
 
-def _ring_block(block, keys, e):
+def _ring_block(block, keys, e, layout):
     """Queries and keys per step of a ring pass: ``block`` where given; by
     default the largest power of two (at most the default) whose f32 scores
     are no larger than the shard's output (block² <= keys x E): a device of
     the ring holds 1/n of everything else, and its pass's blocks should not
-    outweigh that."""
+    outweigh that. In a zig-zag shard (two chunks of keys / 2) no block
+    straddles the chunks where a power of two divides them: a straddling
+    block pair would be computed for the sake of one chunk, and the
+    devices' work would no longer be equal."""
     if block is not None:
         return block
-    fitting = 2 ** int(math.log2(max(1.0, math.sqrt(keys * e))))
-    return min(xla_attention.DEFAULT_BLOCK, fitting)
+    fitting = min(xla_attention.DEFAULT_BLOCK, 2 ** int(math.log2(max(1.0, math.sqrt(keys * e)))))
+    if layout is not None and layout.kind == "zigzag":
+        dividing = math.gcd(keys // 2, fitting)
+        return dividing if 4 * dividing >= fitting else fitting
+    return fitting
 
 
-def _ring(operands, names, params, out_dtype):
+def _ring(operands, names, params, out_dtype, layout):
     """(output in ``out_dtype``, float32 logsumexp) of the local queries
     against every key shard of mesh axes ``names``: the key, value and
     position shards pass around the ring (n - 1 ``ppermute``s each), and each
@@ -408,7 +438,7 @@ def _ring(operands, names, params, out_dtype):
     device ever holds more than two shards of the keys."""
     count = math.prod(_axis_env.physical_axis_size(n) for n in names)
     q, k, v = operands[:3]
-    params = dict(params, block=_ring_block(params["block"], k.shape[1], v.shape[2]))
+    params = dict(params, block=_ring_block(params["block"], k.shape[1], v.shape[2], layout))
     if count == 1:
         out = _bind(*operands, None, **params)
         return out[..., :-1].astype(out_dtype), out[..., -1]
@@ -514,7 +544,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, seq: str | int,
               q_seq: str | int | None = None, causal: bool = False,
               bias: ArrayLike | None = None, mask: ArrayLike | None = None,
               scale: float | None = None, return_lse: bool = False,
-              block: int | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+              block: int | None = None, sequence_layout: SequenceLayout | None = None
+              ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """``softmax(q·k * scale + bias, masked) · v`` without the scores.
 
     ``seq``: the keys' sequence axis (the softmax's), a name (logical, as in
@@ -532,6 +563,9 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, seq: str | int,
     along it instead). ``scale``: default 1/sqrt(head dim). Returns the output
     in q's dtype (and the float32 logsumexp with ``return_lse=True``);
     accumulates in float32. ``block``: queries and keys per step (default 512).
+    ``sequence_layout``: an ``nx.SequenceLayout`` in which both sequences are
+    stored (zig-zag or striped, balancing a causal ring); the causal mask
+    compares the global positions it gives. None: stored in order.
 
     Examples:
         >>> q, k, v = jnp.ones((2, 4, 8)), jnp.ones((2, 6, 8)), jnp.arange(96.).reshape(2, 6, 8)
@@ -554,11 +588,14 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, seq: str | int,
     if block is not None and (not isinstance(block, numbers.Integral) or block < 1):
         raise NxopsError(f"{OP}: block={block!r}; give a positive int (or None).")
     _check_dtypes(q, k, v, bias, mask)
+    _check_layout(sequence_layout, causal)
     if q.ndim < 1:
         raise NxopsError(f"{OP}: q has shape {tuple(q.shape)}; it needs the head dim as its "
                          f"last positional dim.")
     k, v, k_pos, vmap_names, mesh_names = _keys_seq_before_head(k, v, seq)
     _check_shapes(q, k, v, seq)
+    k_pos = _global_positions(k_pos, axis_size(seq) if isinstance(seq, str) else k.shape[-2],
+                              sequence_layout, "seq", seq)
     token_shape, batch_ndim = q.shape[:-1], k.ndim - 2
     keys = k.shape[-2]
     scores_bias = None
@@ -569,7 +606,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, seq: str | int,
         masked = _as_scores(jnp.where(mask, 0.0, -jnp.inf), "mask", seq, vmap_names,
                             token_shape, batch_ndim, keys)
         scores_bias = masked if scores_bias is None else scores_bias + masked
-    q_pos = _query_positions(q_seq, token_shape)
+    q_pos = _query_positions(q_seq, token_shape, sequence_layout)
 
     along_queries = _query_mesh_axes(seq, q_seq, q, q_pos, mesh_names)
     gathered = tuple(n for n in mesh_names if n in along_queries)
@@ -591,7 +628,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, seq: str | int,
     params = dict(scale=scale, causal=bool(causal), block=block, kernels=selection_param())
     if ring:
         # Where the shards combine afterwards, they combine in float32.
-        o, lse = _ring(operands, ring, params, jnp.float32 if sharded else q.dtype)
+        o, lse = _ring(operands, ring, params, jnp.float32 if sharded else q.dtype,
+                       sequence_layout)
     else:
         out = _bind(*operands[:5], operands[5] if len(operands) > 5 else None, **params)
         o, lse = out[..., :-1], out[..., -1]
