@@ -15,6 +15,7 @@ from hypothesis import given, settings, strategies as st
 from jax.sharding import AxisType
 
 import nxops as nx
+from nxops.kernels.xla import attention as xla_attention
 from tests import _tolerances
 
 from tests.ops._util import assert_close
@@ -265,8 +266,11 @@ def test_keys_on_mesh_hlo_combines_with_one_pmax_one_psum():
     assert all(np.prod(s) <= per_query * (E + 1) for c in found for s in c.result_shapes), found
 
 
-def test_ring_collective_bytes_are_the_ring_bound():
-    """Queries and keys on the 4 devices of mesh axis y, bf16: read back from
+@pytest.mark.parametrize("layout", [None, nx.SequenceLayout("zigzag", shards=4)], ids=str)
+def test_ring_collective_bytes_are_the_ring_bound(layout):
+    """Queries and keys on the 4 devices of mesh axis y, bf16 (stored in
+    order, or zig-zag: the layout changes which blocks are computed, never
+    what travels): read back from
     the compiled program (each collective times its loop's trip count), each
     device sends exactly the ring bound and nothing else. Forward: its key,
     value (as their 16-bit bits) and int32 key-position shards, n - 1 times.
@@ -275,7 +279,9 @@ def test_ring_collective_bytes_are_the_ring_bound():
     shard's float32 dk, dv accumulators from the device that saw it last
     back home (n - 1 times)."""
     n = 4
-    ring = xmapped({"qs": "y", "s": "y"}, bias=False)
+    ring = nx.xmap(lambda q, k, v: nx.attention(q, k, v, seq="s", q_seq="qs", causal=True,
+                                                block=5, return_lse=True, sequence_layout=layout),
+                   IN_AXES[:3], [Q_AXES, Q_AXES[:-1]], axis_resources={"qs": "y", "s": "y"})
     mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
     # Placed as the xmap places them (the sequences over y): no resharding.
     args = tuple(jax.device_put(x.astype(jnp.bfloat16), jax.NamedSharding(
@@ -349,6 +355,73 @@ def test_ring_holds_a_fraction_of_one_device_program():
     ring = temp(jax.devices()[:8], {"qs": "d", "s": "d"})
     shard = math.prod(shape) // 8 * 2
     assert ring <= 16.5 * shard and ring <= 0.26 * one_device, (ring, one_device)
+
+
+def computed_block_pairs(monkeypatch, layout, program, n, tokens):
+    """Runs ``program()`` and counts the block pairs each device computes
+    against each device's key shard: every computed pair (forward and
+    backward, never a pair the causal mask hides, which is skipped) reports
+    its first query and key positions (global), which say whose queries and
+    whose keys they are. [n, n]: row the queries' device, column the keys'."""
+    computed = []
+    scores = xla_attention._scores
+
+    def reporting(q_blk, k_blk, q_pos, k_pos, bias_blk, **params):
+        jax.debug.callback(lambda q, k: computed.append((int(q), int(k))), q_pos.min(),
+                           k_pos.min())
+        return scores(q_blk, k_blk, q_pos, k_pos, bias_blk, **params)
+    monkeypatch.setattr(xla_attention, "_scores", reporting)
+    jax.block_until_ready(program())
+    stored = np.argsort(np.arange(tokens) if layout is None else layout.order(tokens))
+    device = stored // (tokens // n)          # the device storing each global position
+    counts = np.zeros((n, n), int)
+    for q, k in computed:
+        counts[device[q], device[k]] += 1
+    return counts
+
+
+@pytest.mark.parametrize("layout", [None, nx.SequenceLayout("zigzag", shards=4),
+                                    nx.SequenceLayout("striped", shards=4)], ids=str)
+def test_causal_ring_work_is_balanced_in_a_zigzag_or_striped_layout(monkeypatch, layout):
+    """A causal ring of 4 devices over 32 tokens, block 2. Stored in order,
+    device i computes block pairs against i + 1 key shards (device 0: one);
+    stored zig-zag, exactly half of every other device's shard's block pairs
+    (8 of 16) and the same diagonal on every device; striped, the same on
+    every device and every ring step. The values and gradients (permuted
+    back) are the unmapped program's on the sequence in order."""
+    n, tokens = 4, 32
+    (q, k, v), rng = operands((2, tokens, 4), (2, tokens, 4), 3, jnp.float32, 12)
+    c = jnp.asarray(rng.standard_normal((2, tokens, 3)), jnp.float32)
+    order = np.arange(tokens) if layout is None else layout.order(tokens)
+    body = lambda q, k, v: nx.attention(q, k, v, seq="s", q_seq="s", causal=True, block=2,  # noqa: E731
+                                        sequence_layout=layout)
+    ring = nx.xmap(body, [["h", "s", None]] * 3, ["h", "s", None], axis_resources={"s": "d"})
+    mesh = jax.make_mesh((n,), ("d",), devices=jax.devices()[:n], axis_types=(AxisType.Explicit,))
+    stored = tuple(jnp.asarray(np.asarray(x)[:, order]) for x in (q, k, v, c))
+    loss = lambda q, k, v, c: jnp.sum(ring(q, k, v) * c)  # noqa: E731
+    with jax.set_mesh(mesh):
+        forward = computed_block_pairs(monkeypatch, layout, lambda: jax.jit(ring)(*stored[:3]),
+                                       n, tokens)
+        out = jax.jit(ring)(*stored[:3])
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*stored)
+    back = np.argsort(order)
+    want = materialized(q[:, None], k, v, causal=True)[0][:, 0]
+    assert_close(np.asarray(out)[:, back], want)
+    want_grads = jax.grad(lambda q, k, v: jnp.sum(materialized(q[:, None], k, v, causal=True)[0][
+        :, 0] * c), argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(grads, want_grads):
+        assert_close(np.asarray(g)[:, back], w, scale=4)
+    blocks = tokens // n // 2                   # block pairs per shard pair: blocks²
+    off_diagonal = forward[~np.eye(n, dtype=bool)].reshape(n, n - 1)
+    if layout is None:
+        # Device i: i + 1 shards (all of an earlier one, a triangle of its own).
+        assert forward.sum(1).tolist() == [blocks * (blocks + 1) // 2 + i * blocks**2
+                                           for i in range(n)]
+        return
+    assert len(set(np.diag(forward))) == 1, forward
+    assert len(set(off_diagonal.flat)) == 1, forward
+    if layout.kind == "zigzag":
+        assert off_diagonal[0, 0] == blocks**2 // 2, forward
 
 
 LAYER_PLACEMENTS = {"none": {}, "batch x": {"b": "x"}, "sequence y": {"seq": "y"},
@@ -510,6 +583,31 @@ def test_symbolic_lengths_are_refused_symbolic_batch_exports():
     exported = jax.export.export(fn)(jax.ShapeDtypeStruct((b, 5, 4), jnp.float32))
     (q, _, _), _ = operands((3, 5, 4), (3, 5, 4), 4, jnp.float32, 5)
     assert_close(exported.call(q), materialized(q[:, None], q, q, causal=True)[0][:, 0])
+
+
+def test_errors_sequence_layout():
+    q = jnp.zeros((12, 4))
+    zigzag = nx.SequenceLayout("zigzag", shards=4)
+    with pytest.raises(nx.NxopsError, match="without causal=True"):
+        nx.attention(q, q, q, seq=0, q_seq=0, sequence_layout=zigzag)
+    with pytest.raises(nx.NxopsError, match="sequence_layout='zigzag'; give an nx.SequenceLayout"):
+        nx.attention(q, q, q, seq=0, q_seq=0, causal=True, sequence_layout="zigzag")
+    with pytest.raises(nx.NxopsError, match=r"seq=0 has length 12, which SequenceLayout\('zigzag', "
+                       r"shards=4\) cannot split: it needs a multiple of 8"):
+        nx.attention(q, q, q, seq=0, q_seq=0, causal=True, sequence_layout=zigzag)
+    with pytest.raises(nx.NxopsError, match="kind='ring'"):
+        nx.SequenceLayout("ring", shards=4)
+    with pytest.raises(nx.NxopsError, match="shards=0"):
+        nx.SequenceLayout("striped", shards=0)
+
+
+def test_sequence_layout_orders():
+    """The layouts' orders, written out, and their inverses."""
+    assert nx.SequenceLayout("zigzag", 3).order(12).tolist() == [0, 1, 10, 11, 2, 3, 8, 9,
+                                                                 4, 5, 6, 7]
+    assert nx.SequenceLayout("striped", 3).order(6).tolist() == [0, 3, 1, 4, 2, 5]
+    for layout in (nx.SequenceLayout("zigzag", 4), nx.SequenceLayout("striped", 4)):
+        assert (layout.order(24)[layout.inverse(24)] == np.arange(24)).all()
 
 
 def test_errors_dtypes_and_named_axes():

@@ -12,6 +12,11 @@ mesh axis), causal or not, a bias or not, grouped-query heads, the sequence
 length (some not a multiple of the block or of the devices: where a
 placement cannot divide it, a clear ``nx.NxopsError``), and gradients taken
 outside the xmap or inside the body. Tiny shapes: the cost is compiling.
+
+Causal cases over a sequence stored in a zig-zag or striped layout
+(``sequence_layout``) are a draw of their own (another seed, so the cases
+above stay as they were): the data are permuted into the layout, the result
+and gradients permuted back, and compared with the same reference.
 """
 from __future__ import annotations
 
@@ -188,7 +193,85 @@ def test_attention_oracle(case: Case):
     COUNTS[f"{case.placement}, grad {case.grad}"] += 1
 
 
+LAYOUT_SEED, LAYOUT_CASES, LAYOUT_SHARDS = 20261130, 5, 4
+LAYOUT_PLACEMENTS = ("unmapped", "ring on y", "batch x, ring on y", "keys on y", "queries loop")
+
+
+def draw_layout_cases(seed: int = LAYOUT_SEED, count: int = LAYOUT_CASES) -> list[Case]:
+    """Causal cases without a bias; ``bias`` unused, the layout kind in
+    ``placement`` after a slash ("ring on y/zigzag")."""
+    rng = np.random.default_rng(seed)
+    order = list(rng.permutation(len(LAYOUT_PLACEMENTS)))
+    cases = []
+    for i in range(count):
+        name = LAYOUT_PLACEMENTS[order[i % len(order)]]
+        kind = str(rng.choice(["zigzag", "striped"]))
+        cases.append(Case(
+            placement=f"{name}/{kind}", causal=True, bias=False, group=int(rng.choice([1, 2])),
+            tokens=int(rng.choice([8, 12, 16])), block=int(rng.choice([2, 3, 16])),
+            grad="outside" if name in OUTSIDE_ONLY else str(rng.choice(["outside", "inside"])),
+            seed=int(rng.integers(2**16))))
+    return cases
+
+
+def layout_program(case: Case, resources, layout):
+    if resources is None:
+        return lambda q, k, v: nx.attention(q, k, v, seq=2, q_seq=3, causal=True,
+                                            block=case.block, sequence_layout=layout)
+
+    def attend(q, k, v):
+        return nx.attention(q, k, v, seq="s", q_seq="qs", causal=True, block=case.block,
+                            sequence_layout=layout)
+    if case.grad == "inside":
+        def grads(q, k, v, c):
+            return jax.grad(lambda q: jnp.sum(attend(q, k, v) * c))(q)
+        return nx.xmap(grads, [Q_AXES, KV_AXES, KV_AXES, Q_AXES], Q_AXES,
+                       axis_resources=resources)
+    return nx.xmap(attend, [Q_AXES, KV_AXES, KV_AXES], Q_AXES, axis_resources=resources)
+
+
+@pytest.mark.parametrize("case", draw_layout_cases(), ids=lambda c: f"{c.placement}-{c.seed}")
+def test_attention_oracle_sequence_layouts(case: Case):
+    name, kind = case.placement.split("/")
+    _, resources, _ = next(p for p in PLACEMENTS if p[0] == name)
+    layout = nx.SequenceLayout(kind, shards=LAYOUT_SHARDS)
+    q, k, v, _, c = operands(case)
+    fn = layout_program(case, resources, layout)
+    chunks = 2 * LAYOUT_SHARDS if kind == "zigzag" else LAYOUT_SHARDS
+    with jax.set_mesh(mesh()):
+        if case.tokens % chunks:
+            with pytest.raises(nx.NxopsError, match="cannot split"):
+                jax.jit(fn)(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)),
+                            *((jnp.asarray(c, jnp.float32),) if case.grad == "inside" else ()))
+            COUNTS["layout refused"] += 1
+            return
+        order = layout.order(case.tokens)
+        stored = lambda x, axis: jnp.asarray(np.take(x, order, axis), jnp.float32)  # noqa: E731
+        args = (stored(q, 3), stored(k, 2), stored(v, 2))
+        c_stored = stored(c, 3)
+        if case.grad == "inside":
+            got_grads = (jax.jit(fn)(*args, c_stored),)
+        else:
+            got = jax.jit(fn)(*args)
+            got_grads = jax.jit(jax.grad(loss_of(fn, c_stored), argnums=(0, 1, 2)))(*args)
+    back = layout.inverse(case.tokens)
+    args32 = tuple(jnp.asarray(x, jnp.float32) for x in (q, k, v))
+    want_grads = jax.grad(loss_of(lambda *a: materialized(*a, None, True, xp=jnp),
+                                  jnp.asarray(c, jnp.float32)), argnums=(0, 1, 2))(*args32)
+    if case.grad == "outside":
+        np.testing.assert_allclose(np.take(np.asarray(got), back, 3),
+                                   materialized(q, k, v, None, True), rtol=2e-5, atol=2e-5)
+    for g, w, axis in zip(got_grads, want_grads, (3, 2, 2)):
+        scale = max(1.0, float(jnp.max(jnp.abs(w))))
+        np.testing.assert_allclose(np.take(np.asarray(g), back, axis), np.asarray(w), rtol=1e-4,
+                                   atol=1e-5 * scale)
+    COUNTS[f"{case.placement}, grad {case.grad}"] += 1
+
+
 def test_every_placement_is_drawn():
     assert {c.placement for c in draw_cases()} == {p[0] for p in PLACEMENTS}
     assert any(c.tokens % split for c in draw_cases()
                for p, _, split in PLACEMENTS if p == c.placement), "no refused case drawn"
+    layouts = draw_layout_cases()
+    assert {c.placement.split("/")[0] for c in layouts} == set(LAYOUT_PLACEMENTS)
+    assert {c.placement.split("/")[1] for c in layouts} == {"zigzag", "striped"}
