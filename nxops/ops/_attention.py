@@ -16,13 +16,15 @@ weights) combine the shards.
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.interpreters import ad, batching
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
 
 from nxops._errors import NxopsError
 from nxops._typing import ArrayLike
@@ -431,74 +433,160 @@ def _ring(operands, names, params, out_dtype, layout):
     shard continues the queries' online softmax in one buffer of output rows
     (a scan: one pass's temporaries live at a time).
 
-    Its VJP keeps only the local shards, the output and the last shard the
-    forward saw: the backward passes the key shards around the ring again,
-    the other way, each with its dk, dv accumulators (FlashAttention-2's
-    backward per shard against the whole softmax's logsumexp), so that no
-    device ever holds more than two shards of the keys."""
+    Its JVP is the same forward plus ``ring_tangent_p``, linear in dq, dk, dv:
+    evaluated (forward mode), the forward ring's own JVP; transposed (reverse
+    mode), a backward that keeps only the local shards, the output and the
+    last shard the forward saw: it passes the key shards around the ring
+    again, the other way, each with its dk, dv accumulators
+    (FlashAttention-2's backward per shard against the whole softmax's
+    logsumexp), so that no device ever holds more than two shards of the keys."""
     count = math.prod(_axis_env.physical_axis_size(n) for n in names)
     q, k, v = operands[:3]
     params = dict(params, block=_ring_block(params["block"], k.shape[1], v.shape[2], layout))
     if count == 1:
         out = _bind(*operands, None, **params)
         return out[..., :-1].astype(out_dtype), out[..., -1]
-    forward_ring = [(i, (i + 1) % count) for i in range(count)]
-    backward_ring = [((i + 1) % count, i) for i in range(count)]
-    step_params = {name: params[name] for name in ("scale", "causal", "block")}
+    config = dict(names=tuple(names), count=count,
+                  **{name: params[name] for name in ("scale", "causal", "block")})
 
-    def rotate(xs, ring):
-        return tuple(lax.ppermute(x, names, ring) for x in xs)
-
-    def forward(q, k, v, q_pos, k_pos):
-        """(o, lse), and the last key shard (k, v, positions) the device saw."""
-        def step(carry, _):
-            rows, *shard = carry
-            return (_attention_step(q, *shard, q_pos, rows, step_params),
-                    *rotate(shard, forward_ring)), None
-
-        rows = jnp.concatenate([jnp.zeros((*q.shape[:-1], v.shape[-1]), jnp.float32),
-                                jnp.full((*q.shape[:-1], 1), -jnp.inf, jnp.float32)], -1)
-        (rows, *last), _ = lax.scan(step, (rows, _as_bits(k), _as_bits(v), k_pos),
-                                    length=count - 1)
-        rows = _attention_step(q, *last, q_pos, rows, step_params)
-        return (rows[..., :-1].astype(out_dtype), rows[..., -1]), tuple(last)
-
-    @jax.custom_vjp
+    @jax.custom_jvp
     def ring(q, k, v, q_pos, k_pos):
-        return forward(q, k, v, q_pos, k_pos)[0]
+        return _ring_forward(q, k, v, q_pos, k_pos, out_dtype=out_dtype, **config)[0]
 
-    def ring_fwd(q, k, v, q_pos, k_pos):
-        out, last = forward(q, k, v, q_pos, k_pos)
-        return out, (q, k, v, q_pos, k_pos, out, last)
+    @ring.defjvp
+    def ring_jvp(primals, tangents):
+        (o, lse), last = _ring_forward(*primals, out_dtype=out_dtype, **config)
+        t_o, t_lse = ring_tangent_p.bind(*primals, o, lse, *last, *tangents[:3], **config)
+        return (o, lse), (t_o, t_lse)
 
-    def ring_bwd(residuals, g):
-        q, k, v, q_pos, k_pos, (o, lse), last = residuals
-        rows = xla_attention.cotangent_rows(o, lse, *g, v.dtype)
-
-        def share(shard, accumulators):
-            k, v, k_pos = shard
-            return _partial_gradients(q, k, v, q_pos, k_pos, *rows, *accumulators,
-                                      **step_params)
-
-        def step(carry, _):
-            # The shard of the next device back arrives with its accumulators.
-            dq, dk, dv, *shard = carry
-            shard = rotate(shard, backward_ring)
-            dk, dv = rotate((dk, dv), backward_ring)
-            return (*share(shard, (dq, dk, dv)), *shard), None
-
-        # The forward's shards in reverse: the last one first; n - 2 arrive
-        # around the ring; the local one is the residual; the accumulators
-        # travel n - 1 times and end where their shard lives.
-        zeros = tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
-        carry = (*share(last, zeros), *last)
-        (dq, dk, dv, *_), _ = lax.scan(step, carry, length=count - 2)
-        dk, dv = rotate((dk, dv), backward_ring)
-        dq, dk, dv = share((_as_bits(k), _as_bits(v), k_pos), (dq, dk, dv))
-        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
-
-    ring.defvjp(ring_fwd, ring_bwd)
     return ring(*operands)
+
+
+def _rotated(xs, names, count, backward=False):
+    """``xs`` from the device before (``backward``: after) on the ring."""
+    pairs = [((i + 1) % count, i) if backward else (i, (i + 1) % count) for i in range(count)]
+    return tuple(lax.ppermute(x, names, pairs) for x in xs)
+
+
+def _ring_forward(q, k, v, q_pos, k_pos, *, names, count, scale, causal, block, out_dtype,
+                  travel=None):
+    """((o, lse), the last key shard (k, v, positions) the device saw). The
+    shards travel as ``travel`` makes them (their bits by default; forward
+    mode passes values, which carry tangents)."""
+    step_params = dict(scale=scale, causal=causal, block=block)
+    travel = travel or _as_bits
+
+    def step(carry, _):
+        rows, *shard = carry
+        return (_attention_step(q, *shard, q_pos, rows, step_params),
+                *_rotated(shard, names, count)), None
+
+    rows = jnp.concatenate([jnp.zeros((*q.shape[:-1], v.shape[-1]), jnp.float32),
+                            jnp.full((*q.shape[:-1], 1), -jnp.inf, jnp.float32)], -1)
+    (rows, *last), _ = lax.scan(step, (rows, travel(k), travel(v), k_pos), length=count - 1)
+    rows = _attention_step(q, *last, q_pos, rows, step_params)
+    return (rows[..., :-1].astype(out_dtype), rows[..., -1]), tuple(last)
+
+
+def _ring_backward(q, k, v, q_pos, k_pos, o, lse, last, g_o, g_lse, *, names, count, scale,
+                   causal, block):
+    """(dq, dk, dv) in q's, k's, v's dtypes for the cotangents of (o, lse)."""
+    rows = xla_attention.cotangent_rows(o, lse, g_o, g_lse, v.dtype)
+    step_params = dict(scale=scale, causal=causal, block=block)
+
+    def share(shard, accumulators):
+        k, v, k_pos = shard
+        return _partial_gradients(q, k, v, q_pos, k_pos, *rows, *accumulators, **step_params)
+
+    def step(carry, _):
+        # The shard of the next device back arrives with its accumulators.
+        dq, dk, dv, *shard = carry
+        shard = _rotated(shard, names, count, backward=True)
+        dk, dv = _rotated((dk, dv), names, count, backward=True)
+        return (*share(shard, (dq, dk, dv)), *shard), None
+
+    # The forward's shards in reverse: the last one first; n - 2 arrive
+    # around the ring; the local one is the residual; the accumulators
+    # travel n - 1 times and end where their shard lives.
+    zeros = tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
+    carry = (*share(last, zeros), *last)
+    (dq, dk, dv, *_), _ = lax.scan(step, carry, length=count - 2)
+    dk, dv = _rotated((dk, dv), names, count, backward=True)
+    dq, dk, dv = share((_as_bits(k), _as_bits(v), k_pos), (dq, dk, dv))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+# The ring's tangent: operands q, k, v, q_pos, k_pos, the output o (in q's
+# dtype) and its logsumexp, the last key shard the forward saw (k, v as they
+# travel, positions), and the tangents dq, dk, dv; results: the tangents of
+# o and of the logsumexp. Parameters: names, count (the ring), scale, causal,
+# block. Its collectives are the ring's own ppermutes, lowered in place.
+_RING_TANGENTS = (10, 11, 12)
+_RING_KEY_SIDE = (1, 2, 4, 7, 8, 9, 11, 12)
+_RING_QUERY_SIDE = (0, 3, 5, 6, 10)
+_RING_KEY_POSITIONS = (4, 9)
+
+
+def _ring_tangent_eval(q, k, v, q_pos, k_pos, o, lse, last_k, last_v, last_pos, dq, dk, dv, *,
+                       names, count, scale, causal, block):
+    """Forward mode: the JVP of the forward ring, the shards as values."""
+    config = dict(names=names, count=count, scale=scale, causal=causal, block=block)
+
+    def forward(q, k, v):
+        return _ring_forward(q, k, v, q_pos, k_pos, out_dtype=o.dtype, travel=lambda x: x,
+                             **config)[0]
+    return list(jax.jvp(forward, (q, k, v), (dq, dk, dv))[1])
+
+
+ring_tangent_p = Primitive("nx_attention_ring_tangent")
+ring_tangent_p.multiple_results = True
+ring_tangent_p.def_abstract_eval(lambda *avals, **params: [avals[5], avals[6]])
+mlir.register_lowering(ring_tangent_p, lambda ctx, *args, **params: mlir.lower_fun(
+    functools.partial(_ring_tangent_eval, **params), multiple_results=True)(ctx, *args))
+
+
+def _ring_tangent_transpose(cts, *operands, names, count, scale, causal, block):
+    if not any(ad.is_undefined_primal(operands[i]) for i in _RING_TANGENTS):
+        return [None] * len(operands)
+    q, k, v, q_pos, k_pos, o, lse, *last = operands[:10]
+    g_o, g_lse = (jnp.zeros(x.aval.shape, x.aval.dtype) if type(x) is ad.Zero else x
+                  for x in cts)
+    grads = dict(zip(_RING_TANGENTS, _ring_backward(
+        q, k, v, q_pos, k_pos, o, lse, tuple(last), g_o, g_lse, names=names, count=count,
+        scale=scale, causal=causal, block=block)))
+    return [grads[i] if i in grads and ad.is_undefined_primal(operands[i]) else None
+            for i in range(len(operands))]
+
+
+ad.primitive_transposes[ring_tangent_p] = _ring_tangent_transpose
+
+
+def _ring_tangent_batcher(vals_in, dims_in, **params):
+    """As attention_p's: names the keys (and their tangents) do not vary
+    along make more query rows of the ring, the others batch members."""
+    size = next(x.shape[d] for x, d in zip(vals_in, dims_in) if d is not None)
+    operands = list(vals_in)
+    if all(dims_in[i] is None for i in _RING_KEY_SIDE):
+        for i in _RING_QUERY_SIDE:
+            operands[i] = _into_rows(vals_in[i], dims_in[i], size)
+        outs = ring_tangent_p.bind(*operands, **params)
+        return [x.reshape(x.shape[0], size, x.shape[1] // size, *x.shape[2:]) for x in outs], \
+            [1, 1]
+    # Key positions shared by the batch stay [1, Tk]: they travel around the
+    # ring (the backward's), and the kernels broadcast them.
+    operands = [x if i in _RING_KEY_POSITIONS and d is None and x.shape[0] == 1
+                else _into_batch(x, d, size) for i, (x, d) in enumerate(zip(vals_in, dims_in))]
+    outs = ring_tangent_p.bind(*operands, **params)
+    return [x.reshape(size, x.shape[0] // size, *x.shape[1:]) for x in outs], [0, 0]
+
+
+batching.primitive_batchers[ring_tangent_p] = _ring_tangent_batcher
+
+
+# The ring step's forward mode (in the ring's tangent): the pass's own JVP.
+ad.primitive_jvps[attention_step_p] = jvp_of_evaluation(
+    lambda *operands, **params: (xla_attention.continued(*operands, **params),),
+    without_tangent=(3, 4))
 
 
 def _as_bits(x):
