@@ -408,18 +408,25 @@ def _gather_keys(k, v, k_pos, bias, names):
             None if bias is None else gather(bias, -1))
 
 
+# The ring's default block is never below this (where the shard is longer):
+# smaller blocks' temporaries are small next to a shard anyway.
+RING_MIN_BLOCK = 128
+
+
 def _ring_block(block, keys, e, layout):
     """Queries and keys per step of a ring pass: ``block`` where given; by
-    default the largest power of two (at most the default) whose f32 scores
-    are no larger than the shard's output (block² <= keys x E): a device of
-    the ring holds 1/n of everything else, and its pass's blocks should not
-    outweigh that. In a zig-zag shard (two chunks of keys / 2) no block
-    straddles the chunks where a power of two divides them: a straddling
-    block pair would be computed for the sake of one chunk, and the
-    devices' work would no longer be equal."""
+    default the largest power of two (at most the default, at least
+    RING_MIN_BLOCK) whose f32 scores are no larger than a quarter of the
+    shard's output (block² <= keys x E / 4): a device of the ring holds 1/n
+    of everything else, and the backward's few score-sized temporaries
+    together should not outweigh a shard. In a zig-zag shard (two chunks of
+    keys / 2) no block straddles the chunks where a power of two divides
+    them: a straddling block pair would be computed for the sake of one
+    chunk, and the devices' work would no longer be equal."""
     if block is not None:
         return block
-    fitting = min(xla_attention.DEFAULT_BLOCK, 2 ** int(math.log2(max(1.0, math.sqrt(keys * e)))))
+    fitting = 2 ** int(math.log2(max(1.0, math.sqrt(keys * e / 4))))
+    fitting = min(xla_attention.DEFAULT_BLOCK, max(fitting, RING_MIN_BLOCK))
     if layout is not None and layout.kind == "zigzag":
         dividing = math.gcd(keys // 2, fitting)
         return dividing if 4 * dividing >= fitting else fitting
