@@ -590,6 +590,18 @@ def _ring_tangent_batcher(vals_in, dims_in, **params):
 batching.primitive_batchers[ring_tangent_p] = _ring_tangent_batcher
 
 
+def _ring_tangent_jvp(primals, tangents, **params):
+    raise NxopsError(
+        f"{OP}: a second derivative (forward mode of forward mode, e.g. jax.hessian or "
+        f"jax.jacfwd of jax.jacfwd) is not available where the keys and the queries share mesh "
+        f"axes {params['names']} (ring attention: its tangent has no derivative of its own). "
+        f"Map the queries' sequence elsewhere than the keys' mesh axes, or leave the sequence "
+        f"unmapped, for second derivatives.")
+
+
+ad.primitive_jvps[ring_tangent_p] = _ring_tangent_jvp
+
+
 # The ring step's forward mode (in the ring's tangent): the pass's own JVP.
 ad.primitive_jvps[attention_step_p] = jvp_of_evaluation(
     lambda *operands, **params: (xla_attention.continued(*operands, **params),),
