@@ -590,16 +590,18 @@ def _ring_tangent_batcher(vals_in, dims_in, **params):
 batching.primitive_batchers[ring_tangent_p] = _ring_tangent_batcher
 
 
-def _ring_tangent_jvp(primals, tangents, **params):
+def _ring_second_derivative(primals, tangents, **params):
+    """The JVP rule of the ring's tangent and of its backward's steps."""
     raise NxopsError(
-        f"{OP}: a second derivative (forward mode of forward mode, e.g. jax.hessian or "
-        f"jax.jacfwd of jax.jacfwd) is not available where the keys and the queries share mesh "
-        f"axes {params['names']} (ring attention: its tangent has no derivative of its own). "
-        f"Map the queries' sequence elsewhere than the keys' mesh axes, or leave the sequence "
-        f"unmapped, for second derivatives.")
+        f"{OP}: a second derivative (jax.hessian, jax.jacfwd of jax.jacfwd or of jax.jacrev) "
+        f"is not available where the keys and the queries share mesh axes (ring attention: "
+        f"its tangent and its backward have no derivatives of their own). Map the queries' "
+        f"sequence elsewhere than the keys' mesh axes, or leave the sequence unmapped, for "
+        f"second derivatives.")
 
 
-ad.primitive_jvps[ring_tangent_p] = _ring_tangent_jvp
+ad.primitive_jvps[ring_tangent_p] = _ring_second_derivative
+ad.primitive_jvps[partial_gradients_p] = _ring_second_derivative
 
 
 # The ring step's forward mode (in the ring's tangent): the pass's own JVP.
