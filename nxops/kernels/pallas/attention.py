@@ -63,8 +63,9 @@ LOG2E = math.log2(math.e)
 BELOW_ALL, ABOVE_ALL = -(2**31), 2**31 - 1
 # Tiles. Forward: 64 queries x 64 keys per step with 4 warps; with head dims
 # of 128 the f32 accumulator and the scores are 64 + 32 registers per thread
-# (more warps only for larger heads). Backward: 64 x 64 (dk, dv or dq in f32,
-# plus the recomputed probabilities and their cotangent).
+# (more warps only for larger heads). Backward: 64 x 64 with 8 warps past
+# head dims of 64 (dk and dv are two f32 accumulators; with 4 warps at head
+# dim 128 the dk/dv kernel spilled on an H100 compile).
 FORWARD_BLOCKS, BACKWARD_BLOCKS = (64, 64), (64, 64)
 NUM_STAGES = 2
 
@@ -79,8 +80,8 @@ def blocks(tq: int, tk: int, caps: tuple[int, int]) -> tuple[int, int]:
     return tuple(min(c, max(16, _common.next_power_of_2(n))) for n, c in zip((tq, tk), caps))
 
 
-def num_warps(d: int, e: int) -> int:
-    return 4 if max(d, e) <= 128 else 8
+def num_warps(d: int, e: int, backward: bool = False) -> int:
+    return 4 if max(d, e) <= (64 if backward else 128) else 8
 
 
 def _dot(a, b, interpret: bool, trans_a: bool = False, trans_b: bool = False):
@@ -310,7 +311,8 @@ def backward_from_rows(q, k, v, q_pos, k_pos, bias, g_o, lse, row_term, *, scale
     operands += () if bias is None else (bias.astype(F32),)
     static = dict(scale=float(scale), causal=bool(causal), bq=bq, bk=bk,
                   interpret=target.interpret)
-    kwargs = _common.call_kwargs(target, num_warps=num_warps(d, e), num_stages=NUM_STAGES)
+    kwargs = _common.call_kwargs(target, num_warps=num_warps(d, e, backward=True),
+                                 num_stages=NUM_STAGES)
     flops = 4 * batch * tq * tk * (d + e)
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, **static),
