@@ -42,6 +42,11 @@ UNFUSED_PRODUCERS = frozenset({
     "stablehlo.while", "stablehlo.case", "stablehlo.rng_bit_generator",
 })
 
+# Operands whose producer does not matter: attention's query and key
+# positions ([B, T] int32, an iota where the sequence is positional) are
+# tokens x 4 bytes next to the tokens x head dim operands.
+_SIDE_OPERANDS = {"attention": (3, 4)}
+
 # Candidates `auto` may take, best first: (backend, why).
 Candidates = tuple[tuple[str, str], ...]
 
@@ -75,6 +80,8 @@ def auto_rule(op: str, platform: str, avals: Sequence[Any], params: dict,
     if platform != "cuda":
         return (), f"nothing measured on {platform} (no such device has measured an nxops kernel): XLA"
     verdict = _measured.verdict_for_target(op, avals, params, kernels)
+    if producers is not None:
+        producers = [p for i, p in enumerate(producers) if i not in _SIDE_OPERANDS.get(op, ())]
     producer = fused_producer(producers)
     if verdict.winners and producer is not None:
         return (), _producer_why(producer)
