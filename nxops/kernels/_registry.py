@@ -29,7 +29,7 @@ OP_FAMILY: dict[str, str] = {
 }
 FAMILIES: tuple[str, ...] = ("reduce", "einsum", "tile", "collective", "cross_entropy",
                              "attention")
-BACKENDS: tuple[str, ...] = ("xla", "pallas", "triton")
+BACKENDS: tuple[str, ...] = ("xla", "pallas", "triton", "cudnn")
 
 NotSupportedReasons = Callable[..., Sequence[str]]
 

@@ -42,12 +42,14 @@ attention_p = kernel_primitive("nx_attention", "attention", xla_attention.attent
 # Operands q [B, Tq, D], k [B, Tk, D], v [B, Tk, E], q_pos [B, Tq], k_pos
 # [B, Tk] and optionally bias [1 or B, Tq, Tk] (f32); one result, f32
 # [B, Tq, E + 1]: the output and the logsumexp. Parameters: scale, causal,
-# block, kernels (the selection).
+# block, kernels (the selection), need_lse (False: nothing reads the
+# logsumexp column, so a kernel that cannot give it, cuDNN's, may run).
 
 
-def _bind(q, k, v, q_pos, k_pos, bias, *, scale, causal, block, kernels):
+def _bind(q, k, v, q_pos, k_pos, bias, *, scale, causal, block, kernels, need_lse=True):
     operands = (q, k, v, q_pos, k_pos) + (() if bias is None else (bias,))
-    return attention_p.bind(*operands, scale=scale, causal=causal, block=block, kernels=kernels)
+    return attention_p.bind(*operands, scale=scale, causal=causal, block=block, kernels=kernels,
+                            need_lse=need_lse)
 
 
 # --- batching: query-only names become query rows, the others batch members ----
@@ -70,12 +72,12 @@ def _into_batch(x, dim, size):
     return x.reshape(size * x.shape[1], *x.shape[2:])
 
 
-def _attention_batcher(vals_in, dims_in, *, scale, causal, block, kernels):
+def _attention_batcher(vals_in, dims_in, *, scale, causal, block, kernels, need_lse):
     q, k, v, q_pos, k_pos, *rest = vals_in
     q_dim, k_dim, v_dim, q_pos_dim, k_pos_dim, *bias_dims = dims_in
     bias, bias_dim = (rest[0], bias_dims[0]) if rest else (None, None)
     size = next(x.shape[d] for x, d in zip(vals_in, dims_in) if d is not None)
-    params = dict(scale=scale, causal=causal, block=block, kernels=kernels)
+    params = dict(scale=scale, causal=causal, block=block, kernels=kernels, need_lse=need_lse)
     if k_dim is None and v_dim is None and k_pos_dim is None:
         # The same keys for every member: its queries are more rows of one pass.
         if bias is not None:
@@ -229,7 +231,8 @@ def _tangent_batcher(vals_in, dims_in, **params):
 batching.primitive_batchers[attention_tangent_p] = _tangent_batcher
 
 
-def _attention_jvp(primals, tangents, *, scale, causal, block, kernels):
+def _attention_jvp(primals, tangents, *, scale, causal, block, kernels, need_lse):
+    del need_lse   # the backward recomputes from the logsumexp
     q, k, v, q_pos, k_pos, *bias = primals
     out = _bind(q, k, v, q_pos, k_pos, bias[0] if bias else None, scale=scale, causal=causal,
                 block=block, kernels=kernels)
@@ -593,7 +596,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, seq: str | int,
         # Where the shards combine afterwards, they combine in float32.
         o, lse = _ring(operands, ring, params, jnp.float32 if sharded else q.dtype)
     else:
-        out = _bind(*operands[:5], operands[5] if len(operands) > 5 else None, **params)
+        out = _bind(*operands[:5], operands[5] if len(operands) > 5 else None, **params,
+                    need_lse=return_lse or bool(sharded))
         o, lse = out[..., :-1], out[..., -1]
     if sharded:
         o, lse = _combine_key_shards(o, lse, sharded)

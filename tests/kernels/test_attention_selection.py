@@ -10,6 +10,8 @@ import pytest
 
 import nxops as nx
 from nxops.kernels import _measured, _registry
+from nxops.kernels._choice import choose
+from nxops.kernels._selection import parse_selection
 
 S = jax.ShapeDtypeStruct
 Q = S((16, 1024, 64), jnp.bfloat16)   # 16 heads of 1024 tokens
@@ -53,3 +55,67 @@ def test_auto_follows_the_measured_table(tmp_path, nxops_config, ratio, picked):
         _measured.load.cache_clear()
     assert choice.kernel.backend == picked, choice.describe()
     assert f"pallas {ratio:.2f}x XLA" in choice.describe()
+
+
+# --- cuDNN: which calls its documented constraints let it take ------------------
+
+from nxops.kernels.cudnn import attention as cudnn_attention  # noqa: E402
+
+I32 = jnp.int32
+
+
+def _cudnn_reasons(dtype=jnp.bfloat16, d=64, e=None, bias=False, **params):
+    q = S((4, 100, d), dtype)
+    v = S((4, 90, e or d), dtype)
+    extra = (S((1, 100, 90), jnp.float32),) if bias else ()
+    params = dict(dict(platform="cuda", causal=False, need_lse=False), **params)
+    return " ".join(cudnn_attention.not_supported_reasons(
+        q, S((4, 90, d), dtype), v, S((4, 100), I32), S((4, 90), I32), *extra, **params))
+
+
+@pytest.mark.parametrize("dtype, d", [(jnp.bfloat16, 64), (jnp.float16, 128),
+                                      (jnp.bfloat16, 256), (jnp.bfloat16, 72)])
+def test_cudnn_takes_half_precision_heads_up_to_256_in_multiples_of_8(dtype, d):
+    assert _cudnn_reasons(dtype, d) == ""
+
+
+@pytest.mark.parametrize("case, words", [
+    (dict(dtype=jnp.float32), "dtype float32"),
+    (dict(d=264), "head dim 264"),
+    (dict(d=60), "head dim 60"),
+    (dict(d=64, e=128), "differs"),
+    (dict(need_lse=True), "logsumexp is read"),
+    (dict(causal=True), "global positions"),
+    (dict(bias=True), "a bias or mask"),
+    (dict(platform="cpu"), "not cpu"),
+])
+def test_cudnn_declines_what_its_constraints_exclude(case, words):
+    assert words in _cudnn_reasons(**case)
+
+
+def _chosen(fn, selection="attention=cudnn"):
+    """The kernel the registry picks on cuda for the attention primitive that
+    ``fn`` binds, with the parameters it binds (lowering for cuda needs cuDNN,
+    which this machine lacks: the pick is asked for directly)."""
+    eqns = [e for e in jax.make_jaxpr(fn)(Q, Q, Q).jaxpr.eqns if e.primitive.name == "nx_attention"]
+    (eqn,) = eqns
+    params = {k: v for k, v in eqn.params.items() if k != "kernels"}
+    return choose("attention", "cuda", parse_selection(selection),
+                          [x.aval for x in eqn.invars], False, None, **params)
+
+
+def test_nx_attention_lets_cudnn_take_only_calls_that_never_read_the_logsumexp():
+    assert _chosen(lambda q, k, v: nx.attention(q, k, v, seq=1)).kernel.backend == "cudnn"
+    with pytest.raises(nx.NxopsError, match="logsumexp is read"):
+        _chosen(lambda q, k, v: nx.attention(q, k, v, seq=1, return_lse=True))
+    # under auto (no GPU measured it) the reference, with cuDNN's reasons
+    choice = _chosen(lambda q, k, v: nx.attention(q, k, v, seq=1), "auto")
+    assert choice.kernel.backend == "xla", choice.describe()
+
+
+def test_a_differentiated_call_reads_the_logsumexp():
+    def grad(q, k, v):
+        return jax.grad(lambda q: nx.attention(q, k, v, seq=1).astype(jnp.float32).sum())(q)
+    eqns = [e for e in jax.make_jaxpr(grad)(Q, Q, Q).jaxpr.eqns
+            if e.primitive.name == "nx_attention"]
+    assert eqns and all(e.params["need_lse"] for e in eqns)
