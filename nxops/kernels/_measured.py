@@ -115,7 +115,13 @@ def attention_layout(bias: bool, causal: bool) -> str:
 
 
 def case_of(op: str, avals: Sequence[Any], params: Mapping[str, Any]) -> Case | None:
-    """The table case of one op, or None where the tables say nothing of its kind."""
+    """The table case of one op, or None where the tables say nothing of its kind.
+
+    Attention's backward has its forward's case (its forward's operands: q,
+    k, v, the positions and the bias): a program's forward and backward are
+    timed together, and one entry decides both."""
+    if op == "attention_backward":
+        op, avals = "attention", (*avals[:5], *avals[8:9])
     if not avals or any(not isinstance(d, int) for a in avals for d in getattr(a, "shape", ())):
         return None
     nbytes = sum(_nbytes(a) for a in avals)

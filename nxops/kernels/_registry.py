@@ -26,6 +26,7 @@ OP_FAMILY: dict[str, str] = {
     "reduce_scatter": "collective",
     "cross_entropy": "cross_entropy",
     "attention": "attention",
+    "attention_backward": "attention",   # its gradient: chosen like its forward
 }
 FAMILIES: tuple[str, ...] = ("reduce", "einsum", "tile", "collective", "cross_entropy",
                              "attention")

@@ -28,6 +28,7 @@ from nxops._errors import NxopsError
 from nxops._typing import ArrayLike
 from nxops.kernels.xla import attention as xla_attention
 from nxops.ops import _axis_env, _collectives, _sum_then_tile
+from nxops.ops._attention_backward import backward as attention_backward
 from nxops.ops._axis_env import mesh_platform
 from nxops.ops._named_layout import along_vmap_names
 from nxops.ops._positions import axis_index
@@ -194,8 +195,8 @@ def _tangent_transpose(cts, *operands, scale, causal, block):
     linear = (6, 7, 8) + ((10,) if bias is not None else ())
     if type(ct) is ad.Zero or not any(ad.is_undefined_primal(operands[i]) for i in linear):
         return [None] * len(operands)
-    dq, dk, dv, dbias = xla_attention.backward(q, k, v, q_pos, k_pos, bias, out, ct,
-                                               scale=scale, causal=causal, block=block)
+    dq, dk, dv, dbias = attention_backward(q, k, v, q_pos, k_pos, bias, out, ct, scale=scale,
+                                           causal=causal, block=block)
     grads = dict(zip(linear, (dq, dk, dv, dbias)))
     return [grads[i] if i in grads and ad.is_undefined_primal(operands[i]) else None
             for i in range(len(operands))]

@@ -4,7 +4,8 @@ values, logsumexp and gradients of its forward and FlashAttention-2
 backward; causal masks on global positions that differ between queries and
 keys (a ring step's), queries that see no key, a bias shared by the batch,
 lengths and head dims that are not multiples of the blocks, bf16; and
-grouped-query attention through ``nx.attention`` with the kernel selected."""
+grouped-query attention through ``nx.attention`` with the kernels selected
+(forward and backward), and under vmap of grad (each member's own gradient)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -124,12 +125,39 @@ def test_grouped_query_attention_through_nx_attention_selects_the_kernel():
 
     with nx.kernels.use("attention=pallas"), _reports.collect_reports() as reports:
         got_out, got = jax.jit(lambda: (attend(q, k, v), value_and_grads(attend)))()
-    assert {r.choice.kernel.name for r in reports} == {"pallas:attention"}
+    # the forward and, under grad, the FlashAttention-2 backward
+    assert {r.choice.kernel.name for r in reports} == {"pallas:attention",
+                                                       "pallas:attention_backward"}
     want_out, want = jax.jit(lambda: (by_hand(q, k, v), value_and_grads(by_hand)))()
     assert got_out.dtype == jnp.bfloat16
     _tolerances.assert_close(got_out, want_out, jnp.bfloat16, scale=2.0)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         _tolerances.assert_close(g, w, jnp.bfloat16, scale=float(jnp.max(jnp.abs(w))) * 2)
+
+
+def test_vmap_of_grad_gives_each_member_its_own_gradient():
+    # keys shared by the members (not batched), queries per member: the
+    # backward kernel's batching must not sum the members' dk, dv.
+    keys = jax.random.split(jax.random.key(2), 3)
+    q = jax.random.normal(keys[0], (3, 2, 21, 8))
+    k, v = (jax.random.normal(x, (2, 21, 8)) for x in keys[1:])
+
+    def per_member(attend):
+        def loss(q, k, v):
+            return jnp.sum(jnp.sin(attend(q, k, v, seq=1, q_seq=1, causal=True)))
+        return jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2)), in_axes=(0, None, None)))
+
+    with nx.kernels.use("attention=pallas"):
+        got = per_member(nx.attention)(q, k, v)
+
+    def by_hand(q, k, v, **_):
+        s = jnp.einsum("bqd,bkd->bqk", q, k) / np.sqrt(8)
+        s = jnp.where(jnp.tril(jnp.ones((21, 21), bool)), s, -jnp.inf)
+        return jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(s, -1), v)
+    want = per_member(by_hand)(q, k, v)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        _tolerances.assert_close(g, w, jnp.float32, scale=float(jnp.max(jnp.abs(w))) * 4)
 
 
 def test_declines_what_it_cannot_take():

@@ -57,6 +57,19 @@ def test_auto_follows_the_measured_table(tmp_path, nxops_config, ratio, picked):
     assert f"pallas {ratio:.2f}x XLA" in choice.describe()
 
 
+def test_one_entry_decides_the_forward_and_the_backward(tmp_path, nxops_config):
+    step = jax.grad(lambda q, k, v: attend(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    _write_table(tmp_path, _choice().case, 0.6)
+    nxops_config("MEASURED_DIR", str(tmp_path))
+    try:
+        reports = nx.kernels.explain(step, Q, Q, Q, platform="cuda").reports
+    finally:
+        _measured.load.cache_clear()
+    assert {(r.op, r.choice.kernel.backend) for r in reports} == {
+        ("attention", "pallas"), ("attention_backward", "pallas")}
+    assert len({r.choice.case for r in reports}) == 1
+
+
 # --- cuDNN: which calls its documented constraints let it take ------------------
 
 from nxops.kernels.cudnn import attention as cudnn_attention  # noqa: E402

@@ -36,9 +36,12 @@ key block's dk, dv in f32 and walks the query blocks; a second, grid
 bias). Two kernels rather than JAX's one fused launch: no atomics and no
 equal-block-count constraint.
 
-Not chosen by ``auto`` until a GPU has measured it (``kernels/measured``):
-select it with ``NXOPS_KERNELS=attention=pallas``. On CPU it runs in
-interpret mode.
+Registered twice: the forward as ``attention``, the backward as
+``attention_backward`` (``nx.attention``'s gradient runs it where the
+selection takes it); called directly, :func:`attention` is differentiable
+with the backward kernels (``_vjp.with_vjp``). Not chosen by ``auto`` until
+a GPU has measured it (``kernels/measured``): select it with
+``NXOPS_KERNELS=attention=pallas``. On CPU it runs in interpret mode.
 """
 from __future__ import annotations
 
@@ -378,6 +381,28 @@ KERNEL = register(Kernel(
     op="attention", backend="pallas", platforms=("cpu", "cuda"), fn=attention,
     not_supported_reasons=not_supported_reasons,
     description="Pallas (Triton) flash attention per query block with the logsumexp, global "
-                "positions, bias; FlashAttention-2 backward kernels where differentiated "
-                "directly",
+                "positions, bias",
+))
+
+
+def attention_backward(q, k, v, q_pos, k_pos, g_o, lse, row_term, bias=None, *, scale: float,
+                       causal: bool, platform: str = "cuda", **params) -> tuple[jax.Array, ...]:
+    """The registry's ``attention_backward``: the reference's signature and results."""
+    del params
+    dq, dk, dv, dbias = backward_from_rows(q, k, v, q_pos, k_pos, bias, g_o, lse, row_term,
+                                           scale=scale, causal=causal, platform=platform)
+    return (dq, dk, dv) + (() if bias is None else (dbias,))
+
+
+def backward_not_supported_reasons(q, k, v, q_pos, k_pos, g_o, lse, row_term, bias=None, *,
+                                   platform: str, **params) -> list[str]:
+    del g_o, lse, row_term
+    return not_supported_reasons(q, k, v, q_pos, k_pos, bias, platform=platform, **params)
+
+
+BACKWARD_KERNEL = register(Kernel(
+    op="attention_backward", backend="pallas", platforms=("cpu", "cuda"), fn=attention_backward,
+    not_supported_reasons=backward_not_supported_reasons,
+    description="Pallas (Triton) FlashAttention-2 backward: dk, dv per key block; dq (and the "
+                "bias's gradient) per query block; recomputed from the saved logsumexp",
 ))
