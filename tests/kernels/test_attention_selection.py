@@ -132,3 +132,20 @@ def test_a_differentiated_call_reads_the_logsumexp():
     eqns = [e for e in jax.make_jaxpr(grad)(Q, Q, Q).jaxpr.eqns
             if e.primitive.name == "nx_attention"]
     assert eqns and all(e.params["need_lse"] for e in eqns)
+
+
+def test_a_gpu_run_of_attention_cases_feeds_the_table_for_pallas_and_cudnn():
+    # What `python -m nxops.measure` writes from a GPU run's lines (times
+    # invented here; the ratios are what the table keeps).
+    from nxops.measure import _cases, _table
+    line = dict(run="r", section="attention", device="NVIDIA H200", compute_capability=90,
+                correct=True)
+    lines = [dict(line, case="attn_full_fwd_16x4096x128_bf16", backend=b, kern_us=us)
+             for b, us in (("xla", 100.0), ("pallas", 80.0), ("cudnn", 50.0))]
+    lines += [dict(line, case="attn_causal_grad_16x8192x128_bf16", backend=b, kern_us=us)
+              for b, us in (("xla", 400.0), ("pallas", 500.0))]
+    (entries,) = (t["entries"] for t in _table.build_tables(lines, "2026-11-29").values())
+    by_key = {e["key"]: {b: m["ratio"] for b, m in e["backends"].items()} for e in entries}
+    (full,) = _table.case_keys(_cases.case("attention", "attn_full_fwd_16x4096x128_bf16"))
+    (causal,) = _table.case_keys(_cases.case("attention", "attn_causal_grad_16x8192x128_bf16"))
+    assert by_key == {full: {"pallas": 0.8, "cudnn": 0.5}, causal: {"pallas": 1.25}}
