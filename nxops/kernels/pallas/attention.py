@@ -24,8 +24,10 @@ Forward, grid ``(query blocks, B)``: program (i, b) holds ``bq`` queries in
 registers and walks the ``bk``-key blocks (``fori_loop``); a key block the
 causal mask hides wholly from the query block (the least key position above
 the greatest query position) is skipped (``lax.cond``), so no assumption on
-the positions' order is needed. Rows and columns past the sequences and head
-dims padded to powers of two are masked loads.
+the positions' order is needed. Rows past the sequences are masked loads;
+head dims that are not powers of two (>= 16, ``tl.dot``'s least) are
+zero-padded by the wrapper (no out-of-bounds slice: JAX 0.12 rejects a
+static one).
 
 Backward (FlashAttention-2), from the cotangent rows of the reference
 (``xla.attention.cotangent_rows``: the output's cotangent, the logsumexp and
@@ -98,26 +100,24 @@ def _dot(a, b, interpret: bool, trans_a: bool = False, trans_b: bool = False):
 
 
 class _Tile:
-    """The rows ``[start, start + size)`` of a sequence of ``length``, with
-    the head columns padded to ``width`` of which ``heads`` are real."""
+    """The rows ``[start, start + size)`` of a sequence of ``length`` (the
+    head dims are whole: the wrapper pads them to ``head_padding``)."""
 
     def __init__(self, start, size: int, length: int):
         self.start, self.size, self.length = start, size, length
         self.index = start + lax.broadcasted_iota(jnp.int32, (size,), 0)
         self.valid = self.index < length
 
-    def load(self, ref, b, heads: int, width: int):
-        cols = lax.broadcasted_iota(jnp.int32, (self.size, width), 1)
-        return plgpu.load(ref.at[b, pl.ds(self.start, self.size), pl.ds(0, width)],
-                          mask=self.valid[:, None] & (cols < heads), other=0.0)
+    def load(self, ref, b):
+        return plgpu.load(ref.at[b, pl.ds(self.start, self.size), :],
+                          mask=self.valid[:, None], other=0.0)
 
     def load_rows(self, ref, b, other):
         return plgpu.load(ref.at[b, pl.ds(self.start, self.size)], mask=self.valid, other=other)
 
-    def store(self, ref, b, value, heads: int):
-        cols = lax.broadcasted_iota(jnp.int32, value.shape, 1)
-        plgpu.store(ref.at[b, pl.ds(self.start, self.size), pl.ds(0, value.shape[1])],
-                    value.astype(ref.dtype), mask=self.valid[:, None] & (cols < heads))
+    def store(self, ref, b, value):
+        plgpu.store(ref.at[b, pl.ds(self.start, self.size), :], value.astype(ref.dtype),
+                    mask=self.valid[:, None])
 
     def store_rows(self, ref, b, value):
         plgpu.store(ref.at[b, pl.ds(self.start, self.size)], value.astype(ref.dtype),
@@ -161,11 +161,10 @@ def _maybe(visible, compute, carry):
 def _forward_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, *refs, scale: float, causal: bool,
                     bq: int, bk: int, interpret: bool):
     bias_ref, (o_ref, lse_ref) = (refs[0], refs[1:]) if len(refs) == 3 else (None, refs)
-    (_, tq, d), (tk, e) = q_ref.shape, v_ref.shape[1:]
-    dp, ep = head_padding(d), head_padding(e)
+    (_, tq, dp), (tk, ep) = q_ref.shape, v_ref.shape[1:]
     i, b = pl.program_id(0), pl.program_id(1)
     rows = _Tile(i * bq, bq, tq)
-    q = rows.load(q_ref, b, d, dp)
+    q = rows.load(q_ref, b)
     qp = rows.load_rows(qp_ref, b, BELOW_ALL)
 
     def key_block(j, carry):
@@ -175,13 +174,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, *refs, scale: float, ca
         def compute(carry):
             top, total, acc = carry
             bias = None if bias_ref is None else _bias_block(bias_ref, b, rows, cols)
-            s = _scores2(q, cols.load(k_ref, b, d, dp), bias, qp, kp, rows, cols, scale=scale,
+            s = _scores2(q, cols.load(k_ref, b), bias, qp, kp, rows, cols, scale=scale,
                          causal=causal, interpret=interpret)
             new_top = jnp.maximum(top, jnp.max(s, axis=1))
             shift = jnp.where(jnp.isfinite(new_top), new_top, 0.0)   # a row with no key yet
             rescale = jnp.exp2(top - shift)
             p = jnp.exp2(s - shift[:, None])
-            v = cols.load(v_ref, b, e, ep)
+            v = cols.load(v_ref, b)
             acc = acc * rescale[:, None] + _dot(p.astype(v.dtype), v, interpret)
             return new_top, total * rescale + jnp.sum(p, axis=1), acc
 
@@ -191,10 +190,17 @@ def _forward_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, *refs, scale: float, ca
     top, total, acc = lax.fori_loop(0, pl.cdiv(tk, bk), key_block, init)
     seen = total > 0
     safe = jnp.where(seen, total, 1.0)
-    rows.store(o_ref, b, jnp.where(seen[:, None], acc / safe[:, None], 0.0), e)
+    rows.store(o_ref, b, jnp.where(seen[:, None], acc / safe[:, None], 0.0))
     lse = jnp.where(seen, (jnp.where(jnp.isfinite(top), top, 0.0) + jnp.log2(safe)) / LOG2E,
                     -jnp.inf)
     rows.store_rows(lse_ref, b, lse)
+
+
+def _pad_heads(x, width: int):
+    """``x`` with its head dim zero-padded to ``width`` (the dots' sums are
+    unchanged; a copy only where the head dim is not a power of two >= 16)."""
+    extra = width - x.shape[-1]
+    return x if extra == 0 else jnp.pad(x, ((0, 0), (0, 0), (0, extra)))
 
 
 def forward(q, k, v, q_pos, k_pos, bias=None, *, scale: float, causal: bool,
@@ -205,12 +211,14 @@ def forward(q, k, v, q_pos, k_pos, bias=None, *, scale: float, causal: bool,
     target = _common.target_for(platform, "triton")
     (batch, tq, d), (tk, e) = q.shape, v.shape[1:]
     bq, bk = blocks(tq, tk, FORWARD_BLOCKS)
-    operands = (q, k, v, q_pos.astype(jnp.int32), k_pos.astype(jnp.int32))
+    dp, ep = head_padding(d), head_padding(e)
+    operands = (_pad_heads(q, dp), _pad_heads(k, dp), _pad_heads(v, ep),
+                q_pos.astype(jnp.int32), k_pos.astype(jnp.int32))
     operands += () if bias is None else (bias.astype(F32),)
     o, lse = pl.pallas_call(
         functools.partial(_forward_kernel, scale=float(scale), causal=bool(causal), bq=bq, bk=bk,
                           interpret=target.interpret),
-        out_shape=[jax.ShapeDtypeStruct((batch, tq, e), F32),
+        out_shape=[jax.ShapeDtypeStruct((batch, tq, ep), F32),
                    jax.ShapeDtypeStruct((batch, tq), F32)],
         grid=(pl.cdiv(tq, bq), batch),
         name="nxops_attention_forward",
@@ -219,7 +227,7 @@ def forward(q, k, v, q_pos, k_pos, bias=None, *, scale: float, causal: bool,
             flops=2 * batch * tq * tk * (d + e), transcendentals=batch * tq * tk),
         **_common.call_kwargs(target, num_warps=num_warps(d, e), num_stages=NUM_STAGES),
     )(*operands)
-    return jnp.concatenate([o, lse[..., None]], axis=-1)
+    return jnp.concatenate([o[..., :e], lse[..., None]], axis=-1)
 
 
 # --- backward -------------------------------------------------------------------
@@ -238,11 +246,10 @@ def _recompute(q, k, g_o, v, bias, qp, kp, lse, row_term, rows, cols, *, scale, 
 def _dkdv_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, g_ref, lse_ref, rt_ref, *refs,
                  scale: float, causal: bool, bq: int, bk: int, interpret: bool):
     bias_ref, (dk_ref, dv_ref) = (refs[0], refs[1:]) if len(refs) == 3 else (None, refs)
-    (_, tq, d), (tk, e) = q_ref.shape, v_ref.shape[1:]
-    dp, ep = head_padding(d), head_padding(e)
+    (_, tq, dp), (tk, ep) = q_ref.shape, v_ref.shape[1:]
     j, b = pl.program_id(0), pl.program_id(1)
     cols = _Tile(j * bk, bk, tk)
-    k, v = cols.load(k_ref, b, d, dp), cols.load(v_ref, b, e, ep)
+    k, v = cols.load(k_ref, b), cols.load(v_ref, b)
     kp = cols.load_rows(kp_ref, b, ABOVE_ALL)
 
     def query_block(i, carry):
@@ -251,7 +258,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, g_ref, lse_ref, rt_ref, *r
 
         def compute(carry):
             dk, dv = carry
-            q, g_o = rows.load(q_ref, b, d, dp), rows.load(g_ref, b, e, ep)
+            q, g_o = rows.load(q_ref, b), rows.load(g_ref, b)
             bias = None if bias_ref is None else _bias_block(bias_ref, b, rows, cols)
             p, ds = _recompute(q, k, g_o, v, bias, qp, kp, rows.load_rows(lse_ref, b, jnp.inf),
                                rows.load_rows(rt_ref, b, 0.0), rows, cols, scale=scale,
@@ -264,18 +271,17 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, g_ref, lse_ref, rt_ref, *r
 
     dk, dv = lax.fori_loop(0, pl.cdiv(tq, bq), query_block,
                            (jnp.zeros((bk, dp), F32), jnp.zeros((bk, ep), F32)))
-    cols.store(dk_ref, b, dk * scale, d)
-    cols.store(dv_ref, b, dv, e)
+    cols.store(dk_ref, b, dk * scale)
+    cols.store(dv_ref, b, dv)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, g_ref, lse_ref, rt_ref, *refs,
                scale: float, causal: bool, bq: int, bk: int, interpret: bool):
     bias_ref, dq_ref, dbias_ref = refs if len(refs) == 3 else (None, refs[0], None)
-    (_, tq, d), (tk, e) = q_ref.shape, v_ref.shape[1:]
-    dp, ep = head_padding(d), head_padding(e)
+    (_, tq, dp), (tk, ep) = q_ref.shape, v_ref.shape[1:]
     i, b = pl.program_id(0), pl.program_id(1)
     rows = _Tile(i * bq, bq, tq)
-    q, g_o = rows.load(q_ref, b, d, dp), rows.load(g_ref, b, e, ep)
+    q, g_o = rows.load(q_ref, b), rows.load(g_ref, b)
     qp = rows.load_rows(qp_ref, b, BELOW_ALL)
     lse, row_term = rows.load_rows(lse_ref, b, jnp.inf), rows.load_rows(rt_ref, b, 0.0)
 
@@ -284,7 +290,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, g_ref, lse_ref, rt_ref, *ref
         kp = cols.load_rows(kp_ref, b, ABOVE_ALL)
 
         def compute(dq):
-            k, v = cols.load(k_ref, b, d, dp), cols.load(v_ref, b, e, ep)
+            k, v = cols.load(k_ref, b), cols.load(v_ref, b)
             bias = None if bias_ref is None else _bias_block(bias_ref, b, rows, cols)
             _, ds = _recompute(q, k, g_o, v, bias, qp, kp, lse, row_term, rows, cols,
                                scale=scale, causal=causal, interpret=interpret)
@@ -299,7 +305,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, g_ref, lse_ref, rt_ref, *ref
         return _maybe(visible, compute, dq)
 
     dq = lax.fori_loop(0, pl.cdiv(tk, bk), key_block, jnp.zeros((bq, dp), F32))
-    rows.store(dq_ref, b, dq * scale, d)
+    rows.store(dq_ref, b, dq * scale)
 
 
 def backward_from_rows(q, k, v, q_pos, k_pos, bias, g_o, lse, row_term, *, scale: float,
@@ -309,8 +315,10 @@ def backward_from_rows(q, k, v, q_pos, k_pos, bias, g_o, lse, row_term, *, scale
     target = _common.target_for(platform, "triton")
     (batch, tq, d), (tk, e) = q.shape, v.shape[1:]
     bq, bk = blocks(tq, tk, BACKWARD_BLOCKS)
-    operands = (q, k, v, q_pos.astype(jnp.int32), k_pos.astype(jnp.int32), g_o.astype(v.dtype),
-                lse.astype(F32), row_term.astype(F32))
+    dp, ep = head_padding(d), head_padding(e)
+    padded = (_pad_heads(q, dp), _pad_heads(k, dp), _pad_heads(v, ep))
+    operands = (*padded, q_pos.astype(jnp.int32), k_pos.astype(jnp.int32),
+                _pad_heads(g_o.astype(v.dtype), ep), lse.astype(F32), row_term.astype(F32))
     operands += () if bias is None else (bias.astype(F32),)
     static = dict(scale=float(scale), causal=bool(causal), bq=bq, bk=bk,
                   interpret=target.interpret)
@@ -319,12 +327,12 @@ def backward_from_rows(q, k, v, q_pos, k_pos, bias, g_o, lse, row_term, *, scale
     flops = 4 * batch * tq * tk * (d + e)
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, **static),
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in padded[1:]],
         grid=(pl.cdiv(tk, bk), batch), name="nxops_attention_dkdv",
         cost_estimate=_common.cost_estimate([k, v] + [q, g_o] * pl.cdiv(tk, bk), [k, v],
                                             flops=flops, transcendentals=batch * tq * tk),
         **kwargs)(*operands)
-    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    out_shape = [jax.ShapeDtypeStruct(padded[0].shape, q.dtype)]
     if bias is not None:
         out_shape.append(jax.ShapeDtypeStruct((batch, tq, tk), F32))
     results = pl.pallas_call(
@@ -333,7 +341,8 @@ def backward_from_rows(q, k, v, q_pos, k_pos, bias, g_o, lse, row_term, *, scale
         cost_estimate=_common.cost_estimate([q, g_o] + [k, v] * pl.cdiv(tq, bq), [q],
                                             flops=flops * 3 // 4, transcendentals=batch * tq * tk),
         **kwargs)(*operands)
-    dq, dbias = results[0], (results[1] if bias is not None else None)
+    dq, dk, dv = results[0][..., :d], dk[..., :d], dv[..., :e]
+    dbias = results[1] if bias is not None else None
     if dbias is not None and bias.shape[0] != batch:   # one bias shared by the batch
         dbias = jnp.sum(dbias, axis=0, keepdims=True)
     return dq, dk, dv, dbias
