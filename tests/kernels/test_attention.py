@@ -65,7 +65,8 @@ def kernel_on_cpu(*operands, **static):
 def small_blocks(monkeypatch):
     """16 x 16 blocks: several query and key blocks (and ragged last ones) at small sizes."""
     monkeypatch.setattr(pallas_attention, "FORWARD_BLOCKS", (16, 16))
-    monkeypatch.setattr(pallas_attention, "BACKWARD_BLOCKS", (16, 16))
+    monkeypatch.setattr(pallas_attention, "DKDV_BLOCKS", (16, 16))
+    monkeypatch.setattr(pallas_attention, "DQ_BLOCKS", (16, 16))
 
 
 @pytest.mark.parametrize("dtype, causal, q_offset, bias_rows", [

@@ -68,10 +68,12 @@ LOG2E = math.log2(math.e)
 BELOW_ALL, ABOVE_ALL = -(2**31), 2**31 - 1
 # Tiles. Forward: 64 queries x 64 keys per step with 4 warps; with head dims
 # of 128 the f32 accumulator and the scores are 64 + 32 registers per thread
-# (more warps only for larger heads). Backward: 64 x 64 with 8 warps past
-# head dims of 64 (dk and dv are two f32 accumulators; with 4 warps at head
-# dim 128 the dk/dv kernel spilled on an H100 compile).
-FORWARD_BLOCKS, BACKWARD_BLOCKS = (64, 64), (64, 64)
+# (more warps only for larger heads). Backward, (queries, keys) per step, 8
+# warps past head dims of 64: dk/dv holds two f32 accumulators of a key
+# block (with 4 warps and 64 x 64 it spilled at head dim 128 on an H100
+# compile; 64 x 64 with 8 warps took 255 registers under JAX 0.12's Triton:
+# 32-query steps leave room); dq holds one of a query block.
+FORWARD_BLOCKS, DKDV_BLOCKS, DQ_BLOCKS = (64, 64), (32, 64), (64, 64)
 NUM_STAGES = 2
 
 
@@ -314,19 +316,18 @@ def backward_from_rows(q, k, v, q_pos, k_pos, bias, g_o, lse, row_term, *, scale
     q, k, v (dbias f32, None without a bias)."""
     target = _common.target_for(platform, "triton")
     (batch, tq, d), (tk, e) = q.shape, v.shape[1:]
-    bq, bk = blocks(tq, tk, BACKWARD_BLOCKS)
     dp, ep = head_padding(d), head_padding(e)
     padded = (_pad_heads(q, dp), _pad_heads(k, dp), _pad_heads(v, ep))
     operands = (*padded, q_pos.astype(jnp.int32), k_pos.astype(jnp.int32),
                 _pad_heads(g_o.astype(v.dtype), ep), lse.astype(F32), row_term.astype(F32))
     operands += () if bias is None else (bias.astype(F32),)
-    static = dict(scale=float(scale), causal=bool(causal), bq=bq, bk=bk,
-                  interpret=target.interpret)
+    static = dict(scale=float(scale), causal=bool(causal), interpret=target.interpret)
     kwargs = _common.call_kwargs(target, num_warps=num_warps(d, e, backward=True),
                                  num_stages=NUM_STAGES)
     flops = 4 * batch * tq * tk * (d + e)
+    bq, bk = blocks(tq, tk, DKDV_BLOCKS)
     dk, dv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, **static),
+        functools.partial(_dkdv_kernel, bq=bq, bk=bk, **static),
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in padded[1:]],
         grid=(pl.cdiv(tk, bk), batch), name="nxops_attention_dkdv",
         cost_estimate=_common.cost_estimate([k, v] + [q, g_o] * pl.cdiv(tk, bk), [k, v],
@@ -335,8 +336,9 @@ def backward_from_rows(q, k, v, q_pos, k_pos, bias, g_o, lse, row_term, *, scale
     out_shape = [jax.ShapeDtypeStruct(padded[0].shape, q.dtype)]
     if bias is not None:
         out_shape.append(jax.ShapeDtypeStruct((batch, tq, tk), F32))
+    bq, bk = blocks(tq, tk, DQ_BLOCKS)
     results = pl.pallas_call(
-        functools.partial(_dq_kernel, **static), out_shape=out_shape,
+        functools.partial(_dq_kernel, bq=bq, bk=bk, **static), out_shape=out_shape,
         grid=(pl.cdiv(tq, bq), batch), name="nxops_attention_dq",
         cost_estimate=_common.cost_estimate([q, g_o] + [k, v] * pl.cdiv(tq, bq), [q],
                                             flops=flops * 3 // 4, transcendentals=batch * tq * tk),
