@@ -316,8 +316,8 @@ def cudnn_dot_product(q, k, v, causal):
 
 def gpu_steps(size: Size, backward: bool) -> dict:
     """Every implementation on a GPU: nx.attention with the XLA reference and
-    with the Pallas kernel (its forward; under value_and_grad the backward is
-    the reference's), the materialized program, jax.nn.dot_product_attention
+    with the Pallas kernels (forward and, under value_and_grad, its
+    FlashAttention-2 backward), the materialized program, jax.nn.dot_product_attention
     with XLA and with cuDNN."""
     def step(attend, selection="auto"):
         with nx.kernels.use(selection):
