@@ -16,7 +16,8 @@ from nxops.kernels._registry import BACKENDS
 from nxops.kernels._selection import parse_selection
 
 BASELINE = "baseline"
-IMPLEMENTATIONS = (BASELINE,) + BACKENDS
+# cuDNN implements attention only: bench_attention.py times it itself.
+IMPLEMENTATIONS = (BASELINE,) + tuple(b for b in BACKENDS if b != "cudnn")
 
 # Sizes each platform runs. Pallas (and the Pallas collectives) run in
 # interpret mode on CPU: correct but slow, so only the small size there;

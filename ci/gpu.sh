@@ -45,10 +45,10 @@ if [ "$DRY" = 1 ]; then
   BENCH=(bench/bench_reduce.py -k "small and sum and xla and float32")
 else
   export JAX_PLATFORMS=cuda,cpu
-  LIMIT_A=150 LIMIT_B=240 LIMIT_C=60
+  LIMIT_A=150 LIMIT_B=240 LIMIT_C=90
   TESTS_ARGS=()
   MEASURE_ARGS=()
-  BENCH=(bench/bench_reduce.py bench/bench_einsum.py)
+  BENCH=(bench/bench_reduce.py bench/bench_einsum.py bench/bench_attention.py::test_time_gpu)
 fi
 status() {  # section, exit code -> a word
   case "$2" in 0) echo "$1: ok";; 124|137) echo "$1: TIMED OUT (what ran is in $OUT)";;

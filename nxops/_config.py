@@ -72,7 +72,8 @@ def _flag(name: str, help: str):
 KERNELS = _state(
     "NXOPS_KERNELS", "auto",
     "Which kernel implementation nxops uses per op: auto, xla, pallas, triton, "
-    "or op=backend pairs such as 'reduce=pallas,einsum=xla'.", _validate_kernels)
+    "cudnn (attention only), or op=backend pairs such as 'reduce=pallas,einsum=xla'.",
+    _validate_kernels)
 AUTOTUNE = _flag(
     "NXOPS_AUTOTUNE",
     "Whether `auto` times the candidate kernels on the local GPU at a case's first lowering.")

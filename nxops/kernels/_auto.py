@@ -13,7 +13,8 @@ kernel (on cpu the kernels only run interpreted, for testing). Deviceless
 cost models explain, but decide nothing: their predicted wins turned into
 losses on the first GPU that measured them (bench/README.md).
 
-On every platform a custom call cannot fuse its producer: where XLA would
+On every platform a custom call cannot fuse its producer (attention aside:
+``COMPUTE_BOUND``): where XLA would
 fuse what made the operand into the op (an elementwise op, a convert, a
 broadcast, a transpose), its fusion reads the producer's inputs once and a
 kernel would add a write and a read of the operand. So a kernel takes a case
@@ -41,6 +42,11 @@ UNFUSED_PRODUCERS = frozenset({
     "stablehlo.collective_permute", "stablehlo.sort", "stablehlo.scatter",
     "stablehlo.while", "stablehlo.case", "stablehlo.rng_bit_generator",
 })
+
+# Ops whose work grows faster than their operands: attention reads
+# tokens x head dim and computes tokens^2 x head dim, so the write and read
+# of an operand XLA would have fused is no reason to keep XLA there.
+COMPUTE_BOUND = frozenset({"attention", "attention_backward"})
 
 # Candidates `auto` may take, best first: (backend, why).
 Candidates = tuple[tuple[str, str], ...]
@@ -75,7 +81,7 @@ def auto_rule(op: str, platform: str, avals: Sequence[Any], params: dict,
     if platform != "cuda":
         return (), f"nothing measured on {platform} (no such device has measured an nxops kernel): XLA"
     verdict = _measured.verdict_for_target(op, avals, params, kernels)
-    producer = fused_producer(producers)
+    producer = None if op in COMPUTE_BOUND else fused_producer(producers)
     if verdict.winners and producer is not None:
         return (), _producer_why(producer)
     return verdict.winners, verdict.why_xla

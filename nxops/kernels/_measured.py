@@ -109,8 +109,19 @@ def _matmul_layout(a, b, dimension_numbers) -> str:
     return "odd" if any(d % 128 for d in (m, n, k)) else "matmul"
 
 
+def attention_layout(bias: bool, causal: bool) -> str:
+    """causal or full, with +bias where an additive bias (or mask) comes along."""
+    return ("causal" if causal else "full") + ("+bias" if bias else "")
+
+
 def case_of(op: str, avals: Sequence[Any], params: Mapping[str, Any]) -> Case | None:
-    """The table case of one op, or None where the tables say nothing of its kind."""
+    """The table case of one op, or None where the tables say nothing of its kind.
+
+    Attention's backward has its forward's case (its forward's operands: q,
+    k, v, the positions and the bias): a program's forward and backward are
+    timed together, and one entry decides both."""
+    if op == "attention_backward":
+        op, avals = "attention", (*avals[:5], *avals[8:9])
     if not avals or any(not isinstance(d, int) for a in avals for d in getattr(a, "shape", ())):
         return None
     nbytes = sum(_nbytes(a) for a in avals)
@@ -126,6 +137,9 @@ def case_of(op: str, avals: Sequence[Any], params: Mapping[str, Any]) -> Case | 
         return Case(op, layout, "", dtype, log2)
     if op == "tile":
         return Case(op, "tile", "", dtype, log2)
+    if op == "attention":
+        return Case(op, attention_layout(len(avals) > 5, bool(params.get("causal"))), "", dtype,
+                    log2)
     return None   # collectives: NCCL's, not measured per case
 
 

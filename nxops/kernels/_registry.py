@@ -26,10 +26,11 @@ OP_FAMILY: dict[str, str] = {
     "reduce_scatter": "collective",
     "cross_entropy": "cross_entropy",
     "attention": "attention",
+    "attention_backward": "attention",   # its gradient: chosen like its forward
 }
 FAMILIES: tuple[str, ...] = ("reduce", "einsum", "tile", "collective", "cross_entropy",
                              "attention")
-BACKENDS: tuple[str, ...] = ("xla", "pallas", "triton")
+BACKENDS: tuple[str, ...] = ("xla", "pallas", "triton", "cudnn")
 
 NotSupportedReasons = Callable[..., Sequence[str]]
 

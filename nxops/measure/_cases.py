@@ -5,7 +5,8 @@ Section ``kernels``: one nxops op per program, its operand a program argument.
 Section ``programs``: small whole programs around the ops (epilogues, fused
 producers, gradients, an xmapped MLP with a cross-entropy over 'classes').
 Section ``cross_entropy``: ``nx.cross_entropy``'s value and gradient beside
-the unfused program it replaces. Where a name gives no shape (programs), the
+the unfused program it replaces. Section ``attention``: ``nx.attention``'s
+forward and value_and_grad (xla, pallas and, where it can take the call, cuDNN). Where a name gives no shape (programs), the
 shapes here are reconstructions, said in each case's ``note``.
 
 ``scale`` divides every size (at least 8 is kept): ``--dry`` runs them on CPU
@@ -196,13 +197,42 @@ def _xent_case(name: str, scale: int) -> GpuCase:
                    f"tokens x hidden x vocab {t}x{h}x{v}", feeds_table=False)
 
 
+# --- attention: nx.attention, forward and value_and_grad -------------------------
+# attn_{causal,full}_{fwd,grad}_HxTxD_dtype: H heads of T tokens, head dim D,
+# positional (q, k, v [H, T, D]). The forward without the logsumexp is the
+# call cuDNN may take (not causal); value_and_grad times the forward and the
+# backward kernels together (one table entry decides both).
+
+ATTENTION_NAMES = ("attn_causal_fwd_16x8192x128_bf16", "attn_causal_grad_16x8192x128_bf16",
+                   "attn_full_fwd_16x4096x128_bf16")
+
+
+def _attention_case(name: str, scale: int) -> GpuCase:
+    _, mask, mode, size, dt = name.split("_")
+    shape = _dims(size, scale)
+    causal = mask == "causal"
+
+    def attend(q, k, v):
+        return nx.attention(q, k, v, seq=1, q_seq=1, causal=causal)
+
+    def value_and_grad(q, k, v):
+        return jax.value_and_grad(lambda *a: jnp.sum(attend(*a).astype(jnp.float32) ** 2),
+                                  argnums=(0, 1, 2))(q, k, v)
+    return GpuCase(name, "attention", value_and_grad if mode == "grad" else attend,
+                   ((shape, DTYPES[dt]),) * 3, "heads x tokens x head dim")
+
+
 def case(section: str, name: str, scale: int = 1) -> GpuCase:
     """The case a run's line names."""
-    build = {"kernels": _kernel_case, "programs": _program_case, "cross_entropy": _xent_case}
+    build = {"kernels": _kernel_case, "programs": _program_case, "cross_entropy": _xent_case,
+             "attention": _attention_case}
     return build[section](name, scale)
 
 
 def all_cases(scale: int = 1) -> list[GpuCase]:
-    return ([case("kernels", n, scale) for n in KERNEL_NAMES]
+    # Attention first: no GPU has measured its kernels yet, and a run cut
+    # at its time limit keeps the cases it finished.
+    return ([case("attention", n, scale) for n in ATTENTION_NAMES]
+            + [case("kernels", n, scale) for n in KERNEL_NAMES]
             + [case("programs", n, scale) for n in PROGRAM_NAMES]
             + [case("cross_entropy", n, scale) for n in XENT_NAMES])

@@ -15,7 +15,7 @@ from nxops import _config
 from nxops.measure import _cases, _table, _timing
 from nxops.measure._cases import GpuCase
 
-BACKENDS = ("xla", "pallas", "triton", "auto")
+BACKENDS = ("xla", "pallas", "triton", "auto")   # attention's cases add cudnn
 # --dry runs the kernels in their interpreters: Pallas on these cases only,
 # Triton's (minutes per case) never.
 DRY_KERNEL_CASES = ("rows_lse_4096x4096_f32", "cols_sum_4096x4096_f32")
@@ -72,7 +72,7 @@ def _cases_to_run(args) -> list[tuple[GpuCase, tuple[str, ...]]]:
     cases = [c for c in _cases.all_cases(scale) if args.k in c.name]
     cases += [user_program(spec) for spec in args.program]
     if not args.dry:
-        return [(c, BACKENDS) for c in cases]
+        return [(c, BACKENDS + (("cudnn",) if c.section == "attention" else ())) for c in cases]
     return [(c, ("xla", "auto") + (("pallas",) if c.name in DRY_KERNEL_CASES else ()))
             for c in cases]
 

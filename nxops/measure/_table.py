@@ -92,7 +92,8 @@ def build_tables(lines: Iterable[dict], date: str,
     entries: dict[tuple[str, str], dict] = {}
     for line in lines:
         reference = xla.get((line["run"], line["section"], line["case"]))
-        if line["backend"] not in ("pallas", "triton") or not reference or not line.get("correct"):
+        if line["backend"] not in ("pallas", "triton", "cudnn") or not reference or \
+                not line.get("correct"):
             continue
         capability = capability_of(line)
         section_name = (line["section"], line["case"])

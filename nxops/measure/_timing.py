@@ -1,7 +1,8 @@
 """Times a case under each backend on the GPU at hand, from a
 ``jax.profiler`` trace.
 
-Per case and backend (xla, pallas, triton, and auto for the report), the
+Per case and backend (xla, pallas, triton, cudnn for attention, and auto
+for the report), the
 compiled program runs ``calls`` times inside one trace annotation; its time
 is the GPU time of every event on the device's stream lines within that
 annotation, divided by ``calls`` (wall clock on small ops measures dispatch).
@@ -173,8 +174,8 @@ def report(lines: list[dict]) -> str:
     by_case: dict[tuple[str, str], dict[str, dict]] = {}
     for line in lines:
         by_case.setdefault((line["section"], line["case"]), {})[line["backend"]] = line
-    rows = ["| case | xla us | pallas/xla | triton/xla | auto/xla | auto took | all correct |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| case | xla us | pallas/xla | triton/xla | cudnn/xla | auto/xla | auto took | "
+            "all correct |", "|---|---|---|---|---|---|---|---|"]
     for (section, name), by in by_case.items():
         xla = by.get("xla", {}).get("kern_us")
 
@@ -185,7 +186,7 @@ def report(lines: list[dict]) -> str:
             return f"{line['kern_us'] / xla:.2f}"
         correct = all(l.get("correct", True) for l in by.values())
         rows.append(f"| {section}/{name} | {xla if xla is None else f'{xla:.1f}'} | {ratio('pallas')} "
-                    f"| {ratio('triton')} | {ratio('auto')} | {by.get('auto', {}).get('chosen', '–')} "
+                    f"| {ratio('triton')} | {ratio('cudnn')} | {ratio('auto')} | {by.get('auto', {}).get('chosen', '–')} "
                     f"| {'yes' if correct else '**no**'} |")
     return "\n".join(rows) + "\n"
 
@@ -195,7 +196,7 @@ def summary(lines: list[dict]) -> str:
     correct, and every case where a kernel measured <= THRESHOLD of XLA."""
     xla = {(l["section"], l["case"]): l["kern_us"] for l in lines if l["backend"] == "xla"}
     wins = [(l["section"], l["case"], l["backend"], l["kern_us"] / xla[(l["section"], l["case"])])
-            for l in lines if l["backend"] in ("pallas", "triton") and xla.get((l["section"], l["case"]))
+            for l in lines if l["backend"] in ("pallas", "triton", "cudnn") and xla.get((l["section"], l["case"]))
             and l["kern_us"] / xla[(l["section"], l["case"])] <= _measured.THRESHOLD]
     wrong = sorted({f"{l['section']}/{l['case']} {l['backend']}" for l in lines if not l["correct"]})
     text = [f"{len(xla)} cases timed; incorrect: {', '.join(wrong) or 'none'}",

@@ -30,6 +30,7 @@ from nxops._errors import NxopsError
 from nxops._typing import ArrayLike
 from nxops.kernels.xla import attention as xla_attention
 from nxops.ops import _axis_env, _collectives, _sum_then_tile
+from nxops.ops._attention_backward import backward as attention_backward
 from nxops.ops._axis_env import mesh_platform
 from nxops.ops._named_layout import along_vmap_names
 from nxops.ops._positions import axis_index, axis_size
@@ -45,12 +46,14 @@ attention_p = kernel_primitive("nx_attention", "attention", xla_attention.attent
 # Operands q [B, Tq, D], k [B, Tk, D], v [B, Tk, E], q_pos [B, Tq], k_pos
 # [B, Tk] and optionally bias [1 or B, Tq, Tk] (f32); one result, f32
 # [B, Tq, E + 1]: the output and the logsumexp. Parameters: scale, causal,
-# block, kernels (the selection).
+# block, kernels (the selection), need_lse (False: nothing reads the
+# logsumexp column, so a kernel that cannot give it, cuDNN's, may run).
 
 
-def _bind(q, k, v, q_pos, k_pos, bias, *, scale, causal, block, kernels):
+def _bind(q, k, v, q_pos, k_pos, bias, *, scale, causal, block, kernels, need_lse=True):
     operands = (q, k, v, q_pos, k_pos) + (() if bias is None else (bias,))
-    return attention_p.bind(*operands, scale=scale, causal=causal, block=block, kernels=kernels)
+    return attention_p.bind(*operands, scale=scale, causal=causal, block=block, kernels=kernels,
+                            need_lse=need_lse)
 
 
 # --- batching: query-only names become query rows, the others batch members ----
@@ -73,12 +76,12 @@ def _into_batch(x, dim, size):
     return x.reshape(size * x.shape[1], *x.shape[2:])
 
 
-def _attention_batcher(vals_in, dims_in, *, scale, causal, block, kernels):
+def _attention_batcher(vals_in, dims_in, *, scale, causal, block, kernels, need_lse):
     q, k, v, q_pos, k_pos, *rest = vals_in
     q_dim, k_dim, v_dim, q_pos_dim, k_pos_dim, *bias_dims = dims_in
     bias, bias_dim = (rest[0], bias_dims[0]) if rest else (None, None)
     size = next(x.shape[d] for x, d in zip(vals_in, dims_in) if d is not None)
-    params = dict(scale=scale, causal=causal, block=block, kernels=kernels)
+    params = dict(scale=scale, causal=causal, block=block, kernels=kernels, need_lse=need_lse)
     if k_dim is None and v_dim is None and k_pos_dim is None:
         # The same keys for every member: its queries are more rows of one pass.
         if bias is not None:
@@ -195,8 +198,8 @@ def _tangent_transpose(cts, *operands, scale, causal, block):
     linear = (6, 7, 8) + ((10,) if bias is not None else ())
     if type(ct) is ad.Zero or not any(ad.is_undefined_primal(operands[i]) for i in linear):
         return [None] * len(operands)
-    dq, dk, dv, dbias = xla_attention.backward(q, k, v, q_pos, k_pos, bias, out, ct,
-                                               scale=scale, causal=causal, block=block)
+    dq, dk, dv, dbias = attention_backward(q, k, v, q_pos, k_pos, bias, out, ct, scale=scale,
+                                           causal=causal, block=block)
     grads = dict(zip(linear, (dq, dk, dv, dbias)))
     return [grads[i] if i in grads and ad.is_undefined_primal(operands[i]) else None
             for i in range(len(operands))]
@@ -232,7 +235,8 @@ def _tangent_batcher(vals_in, dims_in, **params):
 batching.primitive_batchers[attention_tangent_p] = _tangent_batcher
 
 
-def _attention_jvp(primals, tangents, *, scale, causal, block, kernels):
+def _attention_jvp(primals, tangents, *, scale, causal, block, kernels, need_lse):
+    del need_lse   # the backward recomputes from the logsumexp
     q, k, v, q_pos, k_pos, *bias = primals
     out = _bind(q, k, v, q_pos, k_pos, bias[0] if bias else None, scale=scale, causal=causal,
                 block=block, kernels=kernels)
@@ -740,7 +744,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, seq: str | int,
         o, lse = _ring(operands, ring, params, jnp.float32 if sharded else q.dtype,
                        sequence_layout)
     else:
-        out = _bind(*operands[:5], operands[5] if len(operands) > 5 else None, **params)
+        out = _bind(*operands[:5], operands[5] if len(operands) > 5 else None, **params,
+                    need_lse=return_lse or bool(sharded))
         o, lse = out[..., :-1], out[..., -1]
     if sharded:
         o, lse = _combine_key_shards(o, lse, sharded)

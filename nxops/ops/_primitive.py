@@ -52,7 +52,7 @@ def _abstract_eval_cached(reference, avals, items, x64: bool):
 
 
 def _lower_with_kernel(ctx, *args, registry_op: str, platform: str, naming_params: Sequence[str],
-                       kernels: str, **params):
+                       kernels: str, multiple_results: bool = False, **params):
     pending = {k: params[k] for k in naming_params if params.get(k)}
     if pending:
         raise NxopsError(f"nxops op {registry_op!r} reached lowering with unbound names {pending}: "
@@ -77,7 +77,7 @@ def _lower_with_kernel(ctx, *args, registry_op: str, platform: str, naming_param
     with target_devices(devices):
         with (jax.sharding.use_abstract_mesh(kernel_mesh(platform)),
               jax_config._check_vma(False)):
-            return mlir.lower_fun(fn, multiple_results=False)(local_ctx, *args)
+            return mlir.lower_fun(fn, multiple_results=multiple_results)(local_ctx, *args)
 
 
 # Ops that only re-view their operand (XLA makes them bitcasts): the producer
@@ -145,20 +145,24 @@ def _local_aval(aval):
 
 
 def kernel_primitive(name: str, op: str, reference: Callable[..., Any],
-                     naming_params: Sequence[str] = ()) -> Primitive:
-    """A primitive computing registry op ``op``; ``reference`` is its xla kernel."""
+                     naming_params: Sequence[str] = (),
+                     multiple_results: bool = False) -> Primitive:
+    """A primitive computing registry op ``op``; ``reference`` is its xla kernel
+    (``multiple_results``: it returns a tuple of arrays)."""
     prim = Primitive(name)
+    prim.multiple_results = multiple_results
     naming_params = tuple(naming_params)
+    evaluate = _abstract_eval_many if multiple_results else _abstract_eval_cached
 
     def abstract_eval(*avals, **params):
         items = tuple(sorted(_kernel_params(params, naming_params).items()))
-        return _abstract_eval_cached(reference, tuple(avals), items,
-                                     bool(jax.config.jax_enable_x64))
+        return evaluate(reference, tuple(avals), items, bool(jax.config.jax_enable_x64))
 
     prim.def_impl(functools.partial(dispatch.apply_primitive, prim))
     prim.def_abstract_eval(abstract_eval)
     rules = {platform: functools.partial(_lower_with_kernel, registry_op=op, platform=platform,
-                                         naming_params=naming_params)
+                                         naming_params=naming_params,
+                                         multiple_results=multiple_results)
              for platform in PLATFORMS}
     if lower_per_platform is None:
         for platform, rule in rules.items():

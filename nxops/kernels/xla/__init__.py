@@ -1,2 +1,3 @@
 """The ``xla`` backend: pure-JAX reference implementations of every op."""
-from nxops.kernels.xla import attention, collectives, cross_entropy, dot_general, reduce, tile  # noqa: F401  (registers)
+from nxops.kernels.xla import (attention, attention_backward, collectives, cross_entropy,  # noqa: F401  (registers)
+                               dot_general, reduce, tile)

@@ -328,11 +328,13 @@ _fused = differentiable(forward)
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
               bias: jax.Array | None = None, *, scale: float, causal: bool,
-              block: int | None = None, platform: str = "cpu") -> jax.Array:
+              block: int | None = None, platform: str = "cpu",
+              need_lse: bool = True) -> jax.Array:
     """[B, Tq, E + 1] f32: ``softmax(q·k * scale + bias, masked) · v`` and the
     logsumexp, differentiable in q, k, v and bias without materializing
-    [Tq, Tk]. ``block``: queries and keys per step (None: ``DEFAULT_BLOCK``)."""
-    del platform
+    [Tq, Tk]. ``block``: queries and keys per step (None: ``DEFAULT_BLOCK``);
+    ``need_lse``: whether anything reads the logsumexp (it is computed either way)."""
+    del platform, need_lse
     if q.shape[1] == 0 or k.shape[1] == 0:
         return _empty_result(q, v)
     return _fused(q, k, v, q_pos.astype(jnp.int32), k_pos.astype(jnp.int32),
