@@ -138,9 +138,9 @@ def per_batch_position(step_result):
     each position's weight gradients sum to TOKENS times the batch
     position's, and each token's input gradient is TOKENS times its own.
     GPT-J would take the mean over "t" as it does over "b"."""
-    loss, (params, x) = step_result
+    loss, (params, x) = jax.tree.map(np.asarray, step_result)
     np.testing.assert_array_equal(loss, np.broadcast_to(loss[:, :1], loss.shape))
-    return loss[:, 0], (jax.tree.map(lambda g: jnp.mean(g, 1), params), x / TOKENS)
+    return loss[:, 0], (jax.tree.map(lambda g: np.mean(g, 1), params), x / TOKENS)
 
 
 def assert_tree_close(got, want):
