@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import AxisType
 
 import nxops as nx
-from bench.bench_attention import WITHOUT_ATTENTION, LayerSize, layer_memory, score_matrix_bytes
+from bench.bench_attention import LAYER_SIZES, WITHOUT_ATTENTION, layer_memory, score_matrix_bytes
 from tests._megatron import ATTENTION, GPTJ_AXES, fg_operators, gptj_layer, gptj_params, layer_norm
 from tests._tolerances import assert_close
 
@@ -179,7 +179,7 @@ def test_training_step_temp_drops_by_the_score_matrices():
     three [heads, T, T] f32 matrices more than the layer with v in place of
     its attention (3.85 measured), nx.attention's less than one (0.68: its
     512-query blocks are half the scores at this length), so the drop is at least two score matrices (3.17 measured)."""
-    size = LayerSize(tokens=1024, heads=4, head_dim=32, dtype="float32")
+    size = LAYER_SIZES["small"]   # 1024 tokens, 4 heads, head dim 32, f32
     temp, scores = layer_memory(size), score_matrix_bytes(size)
     floor = temp[WITHOUT_ATTENTION]
     assert temp["materialized"] >= floor + 3 * scores, (temp, scores)
