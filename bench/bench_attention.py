@@ -12,6 +12,13 @@ Time: CPU wall time of the forward and of ``value_and_grad`` at 2048 tokens,
 (one call of each per round) and each reports its median over the rounds.
 The machine these figures come from is shared: they are noisy.
 
+Layer: the same memory for the training step of GPT-J's layer
+(``tests/_megatron.py``) with its hand-written attention, with
+``nx.attention``, and with v in place of attention (what the rest of the
+layer holds), against the size of one [batch, heads, T, T] score matrix
+(``python -m bench.bench_attention layer``, 8192 tokens, 16 heads, head dim
+128, f32).
+
 ``python -m bench.bench_attention`` prints both tables; under pytest the
 memory at a small size and the large one is asserted (the time is recorded,
 not asserted: no target holds on a shared CPU).
@@ -166,6 +173,100 @@ def memory_table(size: Size) -> str:
     return "\n".join(lines)
 
 
+# --- a real layer: GPT-J's, hand-written attention against nx.attention -------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSize:
+    tokens: int
+    heads: int
+    head_dim: int
+    dtype: str
+    batch: int = 1
+
+    @property
+    def model(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def ffn(self) -> int:
+        return 4 * self.model
+
+
+LAYER_SIZES = {"small": LayerSize(1024, 4, 32, "float32"),
+               "large": LayerSize(8192, 16, 128, "float32")}
+
+
+# The layer with its attention's output replaced by v: what the rest of the
+# layer holds, the floor under both.
+WITHOUT_ATTENTION = "v for attention"
+LAYER_VARIANTS = ("materialized", "nx.attention", WITHOUT_ATTENTION)
+
+
+def layer_step(attention: str, size: LayerSize):
+    """``jit(value_and_grad)`` of the mean square of GPT-J's layer
+    (tests/_megatron.py, one shard: all heads), attention by hand or nx.attention."""
+    from tests._megatron import ATTENTION, GPTJ_AXES, fg_operators, gptj_layer
+    attend = ATTENTION.get(attention, lambda q, k, v, seq: v)
+
+    def body(params, x):
+        f, g = fg_operators(nx.psum, "s")
+        return gptj_layer(params, x, f, g, size.head_dim, attend)
+    layer = nx.xmap(body, (GPTJ_AXES, ["b", ...]), ["b", ...])
+    loss = lambda params, x: jnp.mean(layer(params, x).astype(jnp.float32) ** 2)  # noqa: E731
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+
+
+def layer_structs(size: LayerSize, sharding=None):
+    from tests._megatron import gptj_params
+    params = jax.eval_shape(lambda: gptj_params(
+        jax.random.key(0), shards=1, model=size.model, heads=size.heads,
+        head_dim=size.head_dim, ffn=size.ffn, dtype=size.dtype))
+    x = jax.ShapeDtypeStruct((size.batch, size.tokens, size.model), size.dtype)
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                        (params, x))
+
+
+def score_matrix_bytes(size: LayerSize) -> int:
+    """One [batch, heads, T, T] score (or probability) matrix in the layer's dtype."""
+    return size.batch * size.heads * size.tokens**2 * jnp.dtype(size.dtype).itemsize
+
+
+def layer_memory(size: LayerSize, target: str = "cpu",
+                 variants=LAYER_VARIANTS) -> dict[str, int]:
+    """Temp bytes of each variant's training step, compiled (never run)."""
+    def temp(attention, sharding=None):
+        compiled = layer_step(attention, size).trace(*layer_structs(size, sharding)).lower().compile()
+        return int(compiled.memory_analysis().temp_size_in_bytes)
+    if target == "cpu":
+        return {name: temp(name) for name in variants}
+    from tests._deviceless import gpu
+    mesh = gpu.gpu_mesh(target, (1,), ("d",))
+    with jax.set_mesh(mesh):
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        return {name: temp(name, sharding) for name in variants}
+
+
+def layer_table(size: LayerSize) -> str:
+    scores = score_matrix_bytes(size)
+    lines = [f"GPT-J layer, batch {size.batch}, {size.tokens} tokens, {size.heads} heads, head dim "
+             f"{size.head_dim} (model {size.model}, MLP {size.ffn}), {size.dtype}, causal: temp "
+             f"bytes of jit(value_and_grad); one score matrix (batch x heads x T x T) is "
+             f"{scores:,} bytes", "",
+             "| target | hand-written attention | nx.attention | v for attention (floor) | "
+             "drop | drop in score matrices | each over the floor, in score matrices |",
+             "|---|---|---|---|---|---|---|"]
+    targets = ["cpu"] + (["h100"] if _cuda_compile_available() else [])
+    for target in targets:
+        f = layer_memory(size, target)
+        mat, fused, floor = (f[v] for v in LAYER_VARIANTS)
+        name = "CPU" if target == "cpu" else "H100 (deviceless)"
+        lines.append(f"| {name} | {mat:,} | {fused:,} | {floor:,} | {mat - fused:,} | "
+                     f"{(mat - fused) / scores:.2f} | {(mat - floor) / scores:.2f} / "
+                     f"{(fused - floor) / scores:.2f} |")
+    return "\n".join(lines)
+
+
 # --- time --------------------------------------------------------------------------
 
 
@@ -293,6 +394,21 @@ def test_memory_ring(benchmark, size_name):
         assert figures["ring"] <= RING_SHARDS * shard, (figures, shard)
 
 
+# GPT-J's layer: the drop in [heads, T, T] score matrices (3.17 measured at
+# the small size, 3.81 at the large one; tests/xmap/test_gptj_attention.py).
+LAYER_DROP = {"small": 2, "large": 3}
+
+
+@pytest.mark.parametrize("size_name", ["small", "large"])
+def test_layer_memory_cpu(benchmark, size_name):
+    size = LAYER_SIZES[size_name]
+    figures = benchmark.pedantic(layer_memory, (size,), rounds=1, iterations=1)
+    benchmark.group = "attention-layer-memory-cpu"
+    benchmark.extra_info.update(size=size_name, score_matrix=score_matrix_bytes(size), **figures)
+    drop = figures["materialized"] - figures["nx.attention"]
+    assert drop >= LAYER_DROP[size_name] * score_matrix_bytes(size), figures
+
+
 @pytest.mark.parametrize("size_name", ["small", "medium"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_time_cpu(benchmark, causal, size_name):
@@ -364,6 +480,9 @@ def test_time_gpu(benchmark, backward):
 
 if __name__ == "__main__":
     import sys
+    if sys.argv[1:] == ["layer"]:   # `python -m bench.bench_attention layer`: GPT-J's layer
+        print(layer_table(LAYER_SIZES["large"]))
+        sys.exit()
     if sys.argv[1:] != ["ring"]:
         print(memory_table(MEMORY_SIZES["large"]))
     if sys.argv[1:] == ["ring"]:     # `python -m bench.bench_attention ring`: the ring's CPU time

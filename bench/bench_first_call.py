@@ -8,8 +8,8 @@ with the batch on ``dp`` and the model shards on ``mp``:
   operators (custom_vjps around ``psum``; ``tests/_megatron.py``);
 - ``training_step``: the Megatron-style block of ``bench_training.py``
   (``psum`` over the shards, vocab logits, cross-entropy, ``pmean``);
-- ``gptj_stack``: GPT-J's layer (layer norm, attention and MLP in parallel,
-  f/g operators) stacked ``GPTJ_LAYERS`` times, at toy width (tracing cost
+- ``gptj_stack``: GPT-J's layer (``tests/_megatron.py``: layer norm,
+  attention and MLP in parallel, f/g operators) stacked ``GPTJ_LAYERS`` times, at toy width (tracing cost
   grows with the layers, not the width).
 
 Per sample, one fresh process (``subprocess``) times the first call of a
@@ -106,50 +106,32 @@ def _training_step(mp: int):
 
 def _gptj_stack(mp: int, layers: int = GPTJ_LAYERS):
     import jax
-    import jax.numpy as jnp
     from jax import lax
     from jax.sharding import PartitionSpec as P
 
     import nxops as nx
-    from tests._megatron import fg_operators
+    from tests._megatron import GPTJ_AXES, fg_operators, gptj_layer, gptj_params
 
     T, D, HEADS, HEAD_DIM, FFN = 16, 64, 8, 8, 256
-    local_heads = HEADS // mp
-
-    def layer(p, x, f, g):
-        h = (x - jnp.mean(x, -1, keepdims=True)) * lax.rsqrt(jnp.var(x, -1, keepdims=True) + 1e-5)
-        h = f(h * p["ln"])
-        q, k, v = jnp.split((h @ p["qkv"]).reshape(T, 3 * local_heads, HEAD_DIM), 3, axis=1)
-        scores = jnp.einsum("thd,shd->hts", q, k) / HEAD_DIM**0.5
-        scores = jnp.where(jnp.tril(jnp.ones((T, T), bool)), scores, -1e9)
-        attention = jnp.einsum("hts,shd->thd", jax.nn.softmax(scores, -1), v)
-        mlp = jax.nn.gelu(h @ p["ffn_in"]) @ p["ffn_out"]
-        return x + g(attention.reshape(T, -1) @ p["out"] + mlp)
 
     def stack(psum, axis):
         def forward(params, x):
             f, g = fg_operators(psum, axis)
             for p in params:
-                x = layer(p, x, f, g)
+                x = gptj_layer(p, x, f, g, HEAD_DIM)
             return x
         return forward
 
-    keys = iter(jax.random.split(jax.random.key(0), 4 * layers + 1))
-    normal = lambda shape, fan_in: jax.random.normal(next(keys), shape) / fan_in**0.5
-    params = [{"ln": jnp.ones((D,)),
-               "qkv": normal((mp, D, 3 * local_heads * HEAD_DIM), D),
-               "out": normal((mp, local_heads * HEAD_DIM, D), HEADS * HEAD_DIM),
-               "ffn_in": normal((mp, D, FFN // mp), D),
-               "ffn_out": normal((mp, FFN // mp, D), FFN)} for _ in range(layers)]
-    operands = (params, normal((DP, T, D), 1))
+    keys = jax.random.split(jax.random.key(0), layers + 1)
+    params = [gptj_params(k, shards=mp, model=D, heads=HEADS, head_dim=HEAD_DIM, ffn=FFN)
+              for k in keys[1:]]
+    operands = (params, jax.random.normal(keys[0], (DP, T, D)))
     layer_specs = {"ln": P(), "qkv": P("mp"), "out": P("mp"), "ffn_in": P("mp"),
                    "ffn_out": P("mp")}
     specs = ([layer_specs] * layers, P("dp"))
-    layer_axes = {"ln": [...], "qkv": ["s", ...], "out": ["s", ...], "ffn_in": ["s", ...],
-                  "ffn_out": ["s", ...]}
 
     def xmapped():
-        return nx.xmap(stack(nx.psum, "s"), ([layer_axes] * layers, ["b", ...]), ["b", ...],
+        return nx.xmap(stack(nx.psum, "s"), ([GPTJ_AXES] * layers, ["b", ...]), ["b", ...],
                        axis_resources={"b": "dp", "s": "mp"})
 
     def twin():

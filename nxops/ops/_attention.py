@@ -272,9 +272,11 @@ def _check_dtypes(q, k, v, bias, mask):
                          f"key is seen), or an additive float bias as bias=.")
 
 
-def _keys_seq_before_head(k, v, seq):
+def _keys_seq_before_head(k, v, seq, into_ring=lambda mesh_names: False):
     """(k, v with the keys' sequence as their second-to-last dim, the key
-    positions [Tk] (global), the seq's vmap names, its mesh names)."""
+    positions [Tk] (global), the seq's vmap names, its mesh names).
+    ``into_ring(mesh_names)``: whether k and v go into a ring
+    (``_gathered_for_ring``)."""
     if k.ndim < 1 or v.ndim < 1:
         raise NxopsError(f"{OP}: k has shape {tuple(k.shape)} and v {tuple(v.shape)}; both need "
                          f"the head dim as their last positional dim.")
@@ -287,8 +289,10 @@ def _keys_seq_before_head(k, v, seq):
                 f"every query needs all of them. Loop over the queries instead: give them "
                 f"their own name in in_axes (q_seq=...) and map that one to the loop.")
         vmap_names, mesh_names = _resolve_name(seq, what="seq", op=OP)
-        k = along_vmap_names(k[..., None, :], "gather", vmap_names, k.ndim - 1)
-        v = along_vmap_names(v[..., None, :], "gather", vmap_names, v.ndim - 1)
+        gather = (_gathered_for_ring if into_ring(mesh_names) else
+                  functools.partial(along_vmap_names, kind="gather"))
+        k = gather(k[..., None, :], vmap_names=vmap_names, dim=k.ndim - 1)
+        v = gather(v[..., None, :], vmap_names=vmap_names, dim=v.ndim - 1)
         k_pos = along_vmap_names(axis_index(seq)[None], "gather", vmap_names, 0)
         return k, v, k_pos, vmap_names, mesh_names
     dim = _positional_dim(seq, k.ndim, what="seq", operand="k", shape=k.shape, op=OP)
@@ -300,6 +304,29 @@ def _keys_seq_before_head(k, v, seq):
                          f"positional seq={seq} they need the same rank.")
     k, v = jnp.moveaxis(k, dim, -2), jnp.moveaxis(v, dim, -2)
     return k, v, jnp.arange(k.shape[-2], dtype=jnp.int32), (), ()
+
+
+def _gathered_for_ring(x, vmap_names, dim):
+    """The keys' (or values') gather along the sequence's vmap names, as it
+    enters a ring. The ring's backward sums the dk (dv) of every query along
+    those names in one pass (its batching rules: no dk per query), a
+    cotangent that is already whole; the gather's own transpose, a psum over
+    the names, would count it once per position where the gradient is taken
+    inside the body (there it meets one value, not a part per position).
+    So each position takes its tile of it."""
+    @jax.custom_vjp
+    def gather(x):
+        return along_vmap_names(x, "gather", vmap_names, dim)
+    gather.defvjp(lambda x: (gather(x), None),
+                  lambda _, ct: (along_vmap_names(ct, "tile", vmap_names, dim),))
+    return gather(x)
+
+
+def _gathered_axes(seq, q_seq, q, q_pos, mesh_names) -> tuple:
+    """The keys' mesh axes the queries vary along too: the key shards are
+    gathered there, or passed around a ring."""
+    along_queries = _query_mesh_axes(seq, q_seq, q, q_pos, mesh_names)
+    return tuple(n for n in mesh_names if n in along_queries)
 
 
 def _check_shapes(q, k, v, seq):
@@ -705,11 +732,19 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, seq: str | int,
     if q.ndim < 1:
         raise NxopsError(f"{OP}: q has shape {tuple(q.shape)}; it needs the head dim as its "
                          f"last positional dim.")
-    k, v, k_pos, vmap_names, mesh_names = _keys_seq_before_head(k, v, seq)
+    token_shape = q.shape[:-1]
+    q_pos = _query_positions(q_seq, token_shape, sequence_layout)
+
+    def into_ring(mesh_names):   # as `ring` below, over more than one device
+        gathered = _gathered_axes(seq, q_seq, q, q_pos, mesh_names)
+        devices = math.prod(_axis_env.physical_axis_size(n) for n in gathered)
+        return bias is None and mask is None and devices > 1
+    k, v, k_pos, vmap_names, mesh_names = _keys_seq_before_head(k, v, seq, into_ring)
+    gathered = _gathered_axes(seq, q_seq, q, q_pos, mesh_names)
     _check_shapes(q, k, v, seq)
     k_pos = _global_positions(k_pos, axis_size(seq) if isinstance(seq, str) else k.shape[-2],
                               sequence_layout, "seq", seq)
-    token_shape, batch_ndim = q.shape[:-1], k.ndim - 2
+    batch_ndim = k.ndim - 2
     keys = k.shape[-2]
     scores_bias = None
     if bias is not None:
@@ -719,11 +754,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, seq: str | int,
         masked = _as_scores(jnp.where(mask, 0.0, -jnp.inf), "mask", seq, vmap_names,
                             token_shape, batch_ndim, keys)
         scores_bias = masked if scores_bias is None else scores_bias + masked
-    q_pos = _query_positions(q_seq, token_shape, sequence_layout)
 
-    along_queries = _query_mesh_axes(seq, q_seq, q, q_pos, mesh_names)
-    gathered = tuple(n for n in mesh_names if n in along_queries)
-    sharded = tuple(n for n in mesh_names if n not in along_queries)
+    sharded = tuple(n for n in mesh_names if n not in gathered)
     ring = gathered if scores_bias is None else ()
     if gathered and not ring:
         k, v, k_pos, scores_bias = _gather_keys(k, v, k_pos, scores_bias, gathered)

@@ -661,3 +661,25 @@ def test_errors_dtypes_and_named_axes():
     mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
     with jax.set_mesh(mesh), pytest.raises(nx.NxopsError, match="not divisible"):
         odd(q[:, :, :, :10], k[:, :, :10], v[:, :, :10], bias[:10, :10])
+
+
+@pytest.mark.parametrize("resources", [{"t": "y"}, {"t": "x"}, {"t": ("x", "y")}])
+def test_ring_gradients_inside_the_body_with_one_sequence_name(resources):
+    """jax.grad in the body, queries and keys on one name over a ring (with
+    2 or 4 positions per device, or 1): dq, dk, dv as with no resources. The
+    ring's backward sums the dk, dv of a device's positions in one pass; each
+    position takes its own keys' share of that, not the sum once per position."""
+    (q, k, v), rng = operands((8, 2, 4), (8, 2, 4), 3, jnp.float32, 12)
+    c = jnp.asarray(rng.standard_normal((8, 2, 3)), jnp.float32)
+
+    def grads(q, k, v, c):
+        loss = lambda q, k, v: jnp.sum(c * nx.attention(q, k, v, seq="t", q_seq="t",  # noqa: E731
+                                                         causal=True, block=3))
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    spec = ["t", None, None]
+    mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
+    with jax.set_mesh(mesh):
+        got = nx.xmap(grads, [spec] * 4, [spec] * 3, axis_resources=resources)(q, k, v, c)
+    want = nx.xmap(grads, [spec] * 4, [spec] * 3)(q, k, v, c)
+    for g, w in zip(got, want):
+        assert_close(g, w)
