@@ -275,8 +275,11 @@ def _check_dtypes(q, k, v, bias, mask):
 def _keys_seq_before_head(k, v, seq, into_ring=lambda mesh_names: False):
     """(k, v with the keys' sequence as their second-to-last dim, the key
     positions [Tk] (global), the seq's vmap names, its mesh names).
-    ``into_ring(mesh_names)``: whether k and v go into a ring
-    (``_gathered_for_ring``)."""
+    ``into_ring(mesh_names)``: whether k and v go into a ring, whose
+    backward sums the dk (dv) of every query along the vmap names in one
+    pass (its batching rules): a cotangent already whole, of which each
+    position takes its tile (``gather_whole``), where a gather's transpose
+    would count it once per position for a gradient taken inside the body."""
     if k.ndim < 1 or v.ndim < 1:
         raise NxopsError(f"{OP}: k has shape {tuple(k.shape)} and v {tuple(v.shape)}; both need "
                          f"the head dim as their last positional dim.")
@@ -289,10 +292,9 @@ def _keys_seq_before_head(k, v, seq, into_ring=lambda mesh_names: False):
                 f"every query needs all of them. Loop over the queries instead: give them "
                 f"their own name in in_axes (q_seq=...) and map that one to the loop.")
         vmap_names, mesh_names = _resolve_name(seq, what="seq", op=OP)
-        gather = (_gathered_for_ring if into_ring(mesh_names) else
-                  functools.partial(along_vmap_names, kind="gather"))
-        k = gather(k[..., None, :], vmap_names=vmap_names, dim=k.ndim - 1)
-        v = gather(v[..., None, :], vmap_names=vmap_names, dim=v.ndim - 1)
+        kind = "gather_whole" if into_ring(mesh_names) else "gather"
+        k = along_vmap_names(k[..., None, :], kind, vmap_names, k.ndim - 1)
+        v = along_vmap_names(v[..., None, :], kind, vmap_names, v.ndim - 1)
         k_pos = along_vmap_names(axis_index(seq)[None], "gather", vmap_names, 0)
         return k, v, k_pos, vmap_names, mesh_names
     dim = _positional_dim(seq, k.ndim, what="seq", operand="k", shape=k.shape, op=OP)
@@ -304,22 +306,6 @@ def _keys_seq_before_head(k, v, seq, into_ring=lambda mesh_names: False):
                          f"positional seq={seq} they need the same rank.")
     k, v = jnp.moveaxis(k, dim, -2), jnp.moveaxis(v, dim, -2)
     return k, v, jnp.arange(k.shape[-2], dtype=jnp.int32), (), ()
-
-
-def _gathered_for_ring(x, vmap_names, dim):
-    """The keys' (or values') gather along the sequence's vmap names, as it
-    enters a ring. The ring's backward sums the dk (dv) of every query along
-    those names in one pass (its batching rules: no dk per query), a
-    cotangent that is already whole; the gather's own transpose, a psum over
-    the names, would count it once per position where the gradient is taken
-    inside the body (there it meets one value, not a part per position).
-    So each position takes its tile of it."""
-    @jax.custom_vjp
-    def gather(x):
-        return along_vmap_names(x, "gather", vmap_names, dim)
-    gather.defvjp(lambda x: (gather(x), None),
-                  lambda _, ct: (along_vmap_names(ct, "tile", vmap_names, dim),))
-    return gather(x)
 
 
 def _gathered_axes(seq, q_seq, q, q_pos, mesh_names) -> tuple:

@@ -15,15 +15,19 @@ from nxops._errors import NxopsError
 from nxops.ops import _axis_env
 
 named_layout_p = Primitive("nx_named_layout")
-# Parameters: kind (gather, scatter, tile, place), name, dim, size (the name's),
+# Parameters: kind (gather, scatter, tile, place, gather_whole), name, dim, size (the name's),
 # chunk: the per-position size along dim (gather's input, scatter's result).
 # Carried, not recomputed as the gathered size // size, which a size-0 name
 # cannot give back (the transpose of a gather over it).
+# gather_whole is a gather whose consumer hands back one cotangent already
+# summed over the positions (a ring's backward): its transpose gives each
+# position its tile of it, where a gather's sums the positions' cotangents.
+GATHERS = ("gather", "gather_whole")
 
 
 def _layout_shape(shape, kind, dim, size, chunk):
     shape = list(shape)
-    shape[dim] = chunk * size if kind in ("gather", "place") else chunk
+    shape[dim] = chunk * size if kind in (*GATHERS, "place") else chunk
     return tuple(shape)
 
 
@@ -45,7 +49,7 @@ def _layout_batcher(axis_data, vals_in, dims_in, *, kind, name, dim, size, chunk
             return named_layout_p.bind(x, dim=dim, **params), None
         x = jnp.moveaxis(x, d, 0)
         return named_layout_p.bind(x, dim=dim + 1, **params), 0
-    if kind == "gather":  # varying along the name -> replicated, concatenated along dim
+    if kind in GATHERS:  # varying along the name -> replicated, concatenated along dim
         if d is None:   # size copies (a concatenate of none fails where size is 0)
             x = jnp.broadcast_to(jnp.expand_dims(x, dim), x.shape[:dim] + (size,) + x.shape[dim:])
         else:
@@ -93,7 +97,8 @@ def _layout_transpose(ct, x, *, kind, name, dim, size, chunk):
     # tile <-> place: a replicated input's in-body gradient stays per position
     # (docs/xmap.md), so tile's cotangent goes to this position's tile only,
     # as the mesh and loop parts (dynamic_update_slice into zeros) do.
-    other = {"gather": "scatter", "scatter": "gather", "tile": "place", "place": "tile"}[kind]
+    other = {"gather": "scatter", "scatter": "gather", "tile": "place", "place": "tile",
+             "gather_whole": "tile"}[kind]
     if type(ct) is ad.Zero:
         return (ad.Zero(x.aval),)
     return (named_layout_p.bind(ct, kind=other, name=name, dim=dim, size=size, chunk=chunk),)
@@ -105,10 +110,10 @@ ad.deflinear2(named_layout_p, _layout_transpose)
 def along_vmap_names(x, kind, vmap_names, dim):
     """Gathers go minor name first, scatters and tiles major name first, so
     that a position along the logical axis is major-to-minor over the names."""
-    order = tuple(reversed(vmap_names)) if kind == "gather" else vmap_names
+    order = tuple(reversed(vmap_names)) if kind in GATHERS else vmap_names
     for name in order:
         size = _axis_env.physical_axis_size(name)
         # (scatters and tiles refuse a size-0 name before they get here)
-        chunk = x.shape[dim] if kind in ("gather", "place") else x.shape[dim] // size
+        chunk = x.shape[dim] if kind in (*GATHERS, "place") else x.shape[dim] // size
         x = named_layout_p.bind(x, kind=kind, name=name, dim=dim, size=size, chunk=chunk)
     return x

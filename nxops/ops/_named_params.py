@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nxops.ops._named_layout import named_layout_p
+from nxops.ops._named_layout import GATHERS, named_layout_p
 from nxops.ops._dot import dot_general_p
 from nxops.ops._mesh_variance import mesh_variance_p
 from nxops.ops._reduce import reduce_p
@@ -20,7 +20,7 @@ def named_axes_effect(primitive: Any, params: dict) -> tuple[tuple, bool] | None
     if primitive is dot_general_p:
         return tuple(params["contract_names"]), True
     if primitive is named_layout_p:
-        return (params["name"],), params["kind"] == "gather"
+        return (params["name"],), params["kind"] in GATHERS
     if primitive is mesh_variance_p:   # names mesh axes (a collective's result)
         return tuple(params["axes"]), not params["varies"]
     return None
