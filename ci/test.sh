@@ -12,7 +12,22 @@
 # triton or docs extras, and any other skip) runs again in .venv-compile,
 # which adds those extras. The benchmarks and gpu.sh's dry run use .venv-compile.
 NXOPS_EXTRAS=test source "$(dirname "$0")/_venv.sh"
-install_compile_venv
+
+# .venv-compile installs (on the first run: downloads of about 3 GB) while the
+# tests run in .venv; what uses it waits for it.
+compile_venv_log=$(mktemp)
+( install_compile_venv ) > "$compile_venv_log" 2>&1 &
+compile_venv_pid=$!
+COMPILE_PYTHON=$COMPILE_VENV/bin/python
+compile_venv_ready() {   # waits for the install; its output, and its failure, show here
+  [ -n "$compile_venv_pid" ] || return 0
+  local status=0
+  wait "$compile_venv_pid" || status=$?
+  compile_venv_pid=
+  cat "$compile_venv_log"
+  rm -f "$compile_venv_log"
+  return "$status"
+}
 
 check_clean_venv() {   # the README's venv: no CUDA plugin or libtpu, and `import jax` prints nothing
   local found noise
@@ -28,14 +43,23 @@ print(*[m for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu") if u.fin
 # pytest run lists its slowest tests (--durations): where CI's time goes.
 step() { echo "== [$SECONDS s] $*"; }
 
+rerun_workers() {   # NXOPS_RERUN_WORKERS=N (N > 1): the rerun on N pytest-xdist workers
+  # Most of the rerun is ptxas and XLA's GPU/TPU compilers, one file's module
+  # fixture each: whole files go to a worker (loadfile), so each fixture is
+  # compiled once. CI sets it where the rerun has the machine to itself.
+  local workers=${NXOPS_RERUN_WORKERS:-1}
+  if [ "$workers" -gt 1 ]; then echo "-n $workers --dist loadfile"; fi
+}
+
 pytest_both() {   # pytest args...: in $VENV, then what it skipped in $COMPILE_VENV
   local skipped status=0 ids
   skipped=$(mktemp)
   NXOPS_SKIPPED_LOG=$skipped python -m pytest -q --durations=25 "$@" || status=$?
   if [ -s "$skipped" ]; then
     mapfile -t ids < <(sort -u "$skipped")
+    compile_venv_ready || return
     step "${#ids[@]} skipped in $VENV, again in $COMPILE_VENV (compile, triton and docs extras):"
-    "$COMPILE_PYTHON" -m pytest -q -rs --durations=10 "${ids[@]}" || status=$?
+    "$COMPILE_PYTHON" -m pytest -q -rs --durations=10 $(rerun_workers) "${ids[@]}" || status=$?
   fi
   rm -f "$skipped"
   return "$status"
@@ -46,6 +70,7 @@ if [ "$#" -gt 0 ]; then
   step "pytest $*"
   status=0
   pytest_both "$@" || status=$?
+  compile_venv_ready || status=$?
   step "done"
   exit "$status"
 fi
@@ -54,6 +79,7 @@ python -m ruff check
 step "the test suite"
 pytest_both tests
 step "the benchmarks, untimed"
+compile_venv_ready
 "$COMPILE_PYTHON" -m pytest bench -q --benchmark-disable --durations=10 -k "not medium and not large"
 # ci/gpu.sh's CPU dry run (~1 min): the GPU script cannot rot between GPU runs.
 step "ci/gpu.sh --dry"

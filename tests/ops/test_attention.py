@@ -110,7 +110,8 @@ def test_positional_matches_materialized(batch, kv_heads, group, tq, tk, d, e, b
         return materialized(q, k, v, b[0] if b else None, mask, causal)
     args = (q, k, v) + (() if b is None else (b,))
     got = jax.jit(value_and_grads, static_argnums=0)(fused, args, c_o, c_lse)
-    assert_matches(got, value_and_grads(reference, args, c_o, c_lse), dtype)
+    want = jax.jit(value_and_grads, static_argnums=0)(reference, args, c_o, c_lse)
+    assert_matches(got, want, dtype)
 
 
 def test_float64_numpy_reference_causal_odd_lengths():
@@ -218,8 +219,7 @@ def test_named_placements_match_materialized(placement):
                 inside_grads(PLACEMENTS[placement], bias)(*args, c_o, c_lse)
         else:
             inside = inside_grads(PLACEMENTS[placement], bias)(*args, c_o, c_lse)
-    want = value_and_grads(lambda q, k, v, *bias: materialized(q, k, v, *bias, causal=True),
-                           args, c_o, c_lse)
+    want = jax.jit(value_and_grads, static_argnums=0)(causal_materialized, args, c_o, c_lse)
     assert_matches(got, want, jnp.float32)
     if placement in WITHOUT_BIAS:
         return
@@ -228,6 +228,10 @@ def test_named_placements_match_materialized(placement):
     assert_close(inside[0], want[1][0])
     for got_inside, want_inside in zip(inside[1:], inside_reference(bias)):
         assert_close(got_inside, want_inside, scale=4)
+
+
+def causal_materialized(q, k, v, *bias):
+    return materialized(q, k, v, *bias, causal=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -456,7 +460,7 @@ def test_causal_layer_one_sequence_name_every_placement(placement):
     mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
     with jax.set_mesh(mesh):
         got = jax.jit(jax.value_and_grad(loss(layer), argnums=(0, 1)))(w_qkv, w_out)
-    want = jax.value_and_grad(loss(positional), argnums=(0, 1))(w_qkv, w_out)
+    want = jax.jit(jax.value_and_grad(loss(positional), argnums=(0, 1)))(w_qkv, w_out)
     for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert_close(g, r, scale=4)
 
@@ -534,20 +538,20 @@ def test_forward_mode_matches_materialized():
     def fused(q, k, v, b):
         return nx.attention(q, k, v, seq=1, bias=b, block=4, return_lse=True)
     got = jax.jit(lambda p, t: jax.jvp(fused, p, t))(primals, tangents)
-    want = jax.jvp(lambda q, k, v, b: materialized(q, k, v, b), primals, tangents)
+    want = jax.jit(lambda p, t: jax.jvp(materialized, p, t))(primals, tangents)
     for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert_close(g, r, scale=4)
     # jacfwd in k: the keys' tangents vary along the basis (batch members, not rows).
-    got_k = jax.jacfwd(lambda k: fused(q, k, v, bias)[0])(k)
-    assert_close(got_k, jax.jacfwd(lambda k: materialized(q, k, v, bias)[0])(k), scale=4)
+    def jacfwd_in_k(attention):
+        return jax.jit(jax.jacfwd(lambda k: attention(q, k, v, bias)[0]))(k)
+    assert_close(jacfwd_in_k(fused), jacfwd_in_k(materialized), scale=4)
 
     mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
     args, _, _ = named_operands()
     named_tangents = tuple(jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for x in args)
     with jax.set_mesh(mesh):
         got = jax.jit(lambda p, t: jax.jvp(xmapped({"s": "y"}), p, t))(args, named_tangents)
-    want = jax.jvp(lambda q, k, v, b: materialized(q, k, v, b, causal=True), args,
-                   named_tangents)
+    want = jax.jit(lambda p, t: jax.jvp(causal_materialized, p, t))(args, named_tangents)
     for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert_close(g, r, scale=4)
 
