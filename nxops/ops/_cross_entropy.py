@@ -29,6 +29,7 @@ from nxops._jax import config as jax_config
 from nxops._jax import dispatch
 from nxops._typing import ArrayLike
 from nxops.kernels._selection import parse_selection
+from nxops.kernels.pallas import cross_entropy as pallas_cross_entropy
 from nxops.kernels.xla import cross_entropy as xla_cross_entropy
 from nxops.ops import _axis_env, _sum_then_tile
 from nxops.ops._axis_env import mesh_platform as _mesh_platform
@@ -111,8 +112,8 @@ def _stores_grads(backward: str, tokens, hidden, vocab, kernels: str = "auto") -
     """Whether the forward pass makes the gradients (three matmuls) or the
     backward recomputes the logits (four): ``auto`` stores while the f32 dw
     and dh it holds fit ``STORED_GRADS_BYTES``, unless a kernel is selected
-    for the forward (``cross_entropy=pallas``: the stored path's forward is
-    the XLA loop, so it would not run). No tokens, or a symbolic count
+    (``cross_entropy=pallas``: its stored path, the Pallas softmax between
+    XLA's matmuls, has no GPU measurement; ``backward="in_forward"`` takes it). No tokens, or a symbolic count
     (``nx.export``): nothing to store, or no static block; recompute."""
     if not (isinstance(tokens, int) and tokens > 0):
         return False
@@ -121,6 +122,17 @@ def _stores_grads(backward: str, tokens, hidden, vocab, kernels: str = "auto") -
         return selected in ("auto", "xla") and \
             xla_cross_entropy.stored_grads_fit(tokens, hidden, vocab)
     return backward == "in_forward"
+
+
+def _forward_with_grads(h, w, labels, kernels: str):
+    """The stored path's forward: the reference's, or with the Pallas
+    kernel's softmax where ``cross_entropy=pallas`` is selected (``auto``
+    never stores then: see ``_stores_grads``)."""
+    platform = _mesh_platform()
+    if parse_selection(kernels).backend_for("cross_entropy") == "pallas" and \
+            platform in pallas_cross_entropy.STORED_PLATFORMS:
+        return pallas_cross_entropy.forward_with_grads(h, w, labels, platform=platform)
+    return xla_cross_entropy.forward_with_grads(h, w, labels)
 
 
 def _tangent_impl(h, w, labels, lse, dh_unit, dw_unit, dh, dw, *, size, stored, with_dh,
@@ -193,7 +205,7 @@ def _cross_entropy_jvp(primals, tangents, *, chunk, backward, kernels):
     (tokens, hidden), vocab = h.shape, w.shape[1]
     stored = _stores_grads(backward, tokens, hidden, vocab, kernels)
     if stored:
-        stats, dh_unit, dw_unit = xla_cross_entropy.forward_with_grads(h, w, labels)
+        stats, dh_unit, dw_unit = _forward_with_grads(h, w, labels, kernels)
     else:
         stats = _bind(h, w, labels, chunk=chunk, backward=backward, kernels=kernels)
         dh_unit = dw_unit = jnp.zeros(EMPTY, F32)
