@@ -120,3 +120,21 @@ def test_softmax_kernel_extreme_rows():
     assert total is None
     np.testing.assert_array_equal(lse, want_lse)
     np.testing.assert_allclose(softmax, exp / want_total[:, None], rtol=1e-6)
+
+
+def test_stored_backward_with_the_softmax_kernel_vocab_parallel():
+    """The vocab on 4 devices (300 columns each, not a whole kernel step),
+    the labels on every shard: loss and gradients as the reference's."""
+    h, w, labels = operands(6, 8, 1200, jnp.float32, seed=7)
+
+    def step(h, w):
+        body = lambda h, w, l: nx.cross_entropy(h, w, l, hidden=0, vocab="v",
+                                                backward="in_forward")
+        f = nx.xmap(body, [["t", None], [None, "v"], ["t"]], ["t"], axis_resources={"v": "y"})
+        return jax.value_and_grad(lambda h, w: jnp.mean(f(h, w, labels)), argnums=(0, 1))(h, w)
+    with jax.set_mesh(jax.make_mesh((2, 4), ("x", "y"))):
+        with nx.kernels.use("cross_entropy=pallas"):
+            got = step(h, w)
+        want = step(h, w)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        _tolerances.assert_close(g, r, r.dtype, scale=float(jnp.max(jnp.abs(r))))
