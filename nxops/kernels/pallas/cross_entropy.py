@@ -139,8 +139,9 @@ def cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, *, chunk: int |
 #
 # As Liger-Kernel's fused linear cross-entropy: per token block, XLA's matmul
 # makes the block's logits [block, V] (f32), a kernel turns them in place
-# into the softmax (``input_output_aliases``: no second [block, V] array)
-# and gives each row's logsumexp, and XLA's matmuls make softmax·wᵀ and
+# into the softmax (``input_output_aliases``: no second [block, V] array;
+# for 16-bit inputs the softmax is written in their dtype instead, the
+# matmuls' operand) and gives each row's logsumexp, and XLA's matmuls make softmax·wᵀ and
 # hᵀ·softmax from it. The loop over the blocks, the label's part (a gather)
 # and the backward are the reference's (``xla.cross_entropy
 # .forward_with_grads_by`` and ``backward_from_stored``): only the pass over
@@ -183,7 +184,7 @@ def _softmax_kernel(logits_ref, softmax_ref, lse_ref, *, rows: int, columns: int
         block = logits_ref.at[pl.ds(i * rows, rows), cols]
         logits = plgpu.load(block, mask=mask, other=-jnp.inf)
         plgpu.store(softmax_ref.at[pl.ds(i * rows, rows), cols],
-                    jnp.exp(logits - lse[:, None]), mask=mask)
+                    jnp.exp(logits - lse[:, None]).astype(softmax_ref.dtype), mask=mask)
         return 0
 
     lax.fori_loop(0, steps, normalize, 0)
@@ -191,20 +192,25 @@ def _softmax_kernel(logits_ref, softmax_ref, lse_ref, *, rows: int, columns: int
     plgpu.store(lse_ref.at[pl.ds(i * rows, rows)], lse, mask=first_rows < tokens)
 
 
-def softmax_in_place(logits: jax.Array, *, platform: str):
-    """(softmax of each row of ``logits`` [T, V] f32, written over them; its
-    logsumexp [T]), the form ``forward_with_grads_by`` takes (no row sums)."""
+def softmax_in_place(logits: jax.Array, *, dtype, platform: str):
+    """(softmax of each row of ``logits`` [T, V] f32 in ``dtype``, the
+    matmuls' operand dtype; its logsumexp [T] f32), the form
+    ``forward_with_grads_by`` takes (no row sums). An f32 softmax is written
+    over the logits; a 16-bit one is a new array of half their size, which
+    spares XLA's casts of an f32 softmax for the two matmuls."""
     target = _common.target_for(platform, "triton")
     tokens, vocab = logits.shape
     columns = min(SOFTMAX_COLUMNS, max(16, _common.next_power_of_2(vocab)))
+    dtype = jnp.dtype(dtype)
     softmax, lse = pl.pallas_call(
         functools.partial(_softmax_kernel, rows=SOFTMAX_ROWS, columns=columns),
-        out_shape=[jax.ShapeDtypeStruct(logits.shape, F32),
+        out_shape=[jax.ShapeDtypeStruct(logits.shape, dtype),
                    jax.ShapeDtypeStruct((tokens,), F32)],
         grid=(pl.cdiv(tokens, SOFTMAX_ROWS),),
-        input_output_aliases={0: 0},
+        input_output_aliases={0: 0} if dtype == F32 else {},
         name="nxops_cross_entropy_softmax",
-        cost_estimate=_common.cost_estimate([logits, logits], [logits, ((tokens,), F32)],
+        cost_estimate=_common.cost_estimate([logits, logits], [((tokens, vocab), dtype),
+                                                               ((tokens,), F32)],
                                             flops=4 * tokens * vocab,
                                             transcendentals=2 * tokens * vocab),
         **_common.call_kwargs(target, num_warps=NUM_WARPS, num_stages=1),
@@ -217,7 +223,7 @@ def forward_with_grads(h, w, labels, *, platform: str):
     """The reference's ``forward_with_grads`` with each block's softmax made
     by the kernel (in place over the logits)."""
     return xla_cross_entropy.forward_with_grads_by(
-        h, w, labels, functools.partial(softmax_in_place, platform=platform))
+        h, w, labels, functools.partial(softmax_in_place, dtype=h.dtype, platform=platform))
 
 
 def not_supported_reasons(h, w, labels, *, platform: str, **params) -> list[str]:
