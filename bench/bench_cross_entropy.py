@@ -178,6 +178,24 @@ def h100_figures(size: Size) -> dict[str, int]:
                 for impl, loss in (("fused", memory_fused_loss), ("unfused", unfused_loss))}
 
 
+def stored_figures(size: Size) -> dict[str, int]:
+    """Deviceless H100, ``backward="in_forward"`` (the gradients made in the
+    forward pass: an f32 dw and blocks of logits held by design): the XLA
+    loop's softmax (``fused``) and the Pallas kernel's (``unfused`` is the
+    unfused program's, for scale)."""
+    from tests._deviceless import gpu
+    mesh = gpu.gpu_mesh("h100", (1,), ("v",))
+    structs = operand_structs(size, mesh)
+    stored = functools.partial(fused_loss, backward="in_forward")
+    figures = {}
+    with jax.set_mesh(mesh):
+        for impl, kernel in (("fused", "xla"), ("pallas", "pallas")):
+            with nx.kernels.use(f"cross_entropy={kernel}"):
+                figures[impl] = temp_bytes(compile_step(stored, structs))
+        figures["unfused"] = temp_bytes(compile_step(unfused_loss, structs))
+    return figures
+
+
 def vocab_mesh(layout: str = "vocab"):
     shape, axes = LAYOUTS[layout][:2]
     return jax.make_mesh(shape, axes, devices=jax.devices("cpu")[:VOCAB_DEVICES])
@@ -222,7 +240,20 @@ def table(size: Size) -> str:
         reduce = figures.get("fused_largest_all_reduce")
         lines.append(f"| {name} | {fused:,} | {unfused:,} | {fused / unfused:.4f} | "
                      f"{'' if reduce is None else f'{reduce:,}'} |")
+    if _cuda_compile_available():
+        lines += ["", stored_table(SPEED_SIZE)]
     return "\n".join(lines)
+
+
+def stored_table(size: Size) -> str:
+    figures = stored_figures(size)
+    return "\n".join([
+        f"backward=\"in_forward\", H100 (deviceless), tokens {size.tokens}, hidden "
+        f"{size.hidden}, vocab {size.vocab}, {size.dtype}: temp bytes of jit(value_and_grad)",
+        "", "| softmax | fused | unfused | fused / unfused |", "|---|---|---|---|",
+        *(f"| {name} | {figures[impl]:,} | {figures['unfused']:,} | "
+          f"{figures[impl] / figures['unfused']:.4f} |"
+          for name, impl in (("XLA loop", "fused"), ("Pallas kernel", "pallas")))])
 
 
 # --- pytest ------------------------------------------------------------------
