@@ -51,9 +51,11 @@ def test_summary_gives_the_fused_cross_entropy_over_the_unfused_program():
     fused, unfused = _cases.XENT_NAMES
     lines = [dict(section="cross_entropy", case=name, backend=b, kern_us=us, correct=True)
              for name, b, us in ((fused, "xla", 900.0), (unfused, "xla", 1200.0),
-                                 (fused, "pallas", 800.0))]
-    assert _timing.summary(lines).splitlines()[-1] == \
-        "cross-entropy fused / unfused (value_and_grad): xla 0.75"
+                                 (fused, "pallas", 800.0), (unfused, "pallas", 1200.0),
+                                 (_cases.XENT_STORED, "pallas", 1320.0))]
+    assert _timing.summary(lines).splitlines()[-2:] == [
+        "cross-entropy fused / unfused (value_and_grad): xla 0.75, pallas 0.67",
+        "cross-entropy fused stored backward / unfused (value_and_grad): pallas 1.10"]
 
 
 def test_the_fake_timer_is_the_bytes_times_a_fixed_ratio():

@@ -210,6 +210,11 @@ def _fused_vs_unfused(lines: list[dict]) -> list[str]:
     backend both ran under (the goal: at most 1.0)."""
     times = {(l["case"], l["backend"]): l["kern_us"] for l in lines if l["section"] == "cross_entropy"}
     fused, unfused = gpu_cases.XENT_NAMES
-    ratios = [f"{b} {times[fused, b] / times[unfused, b]:.2f}" for b in BACKENDS
-              if times.get((fused, b)) and times.get((unfused, b))]
-    return [f"cross-entropy fused / unfused (value_and_grad): {', '.join(ratios)}"] if ratios else []
+    text = []
+    for label, case in (("", fused), (" stored backward", gpu_cases.XENT_STORED)):
+        ratios = [f"{b} {times[case, b] / times[unfused, b]:.2f}" for b in BACKENDS
+                  if times.get((case, b)) and times.get((unfused, b))]
+        if ratios:
+            text.append(f"cross-entropy fused{label} / unfused (value_and_grad): "
+                        f"{', '.join(ratios)}")
+    return text

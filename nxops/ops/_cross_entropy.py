@@ -29,12 +29,13 @@ from nxops._jax import config as jax_config
 from nxops._jax import dispatch
 from nxops._typing import ArrayLike
 from nxops.kernels._selection import parse_selection
+from nxops.kernels.pallas import cross_entropy as pallas_cross_entropy
 from nxops.kernels.xla import cross_entropy as xla_cross_entropy
 from nxops.ops import _axis_env, _sum_then_tile
 from nxops.ops._axis_env import mesh_platform as _mesh_platform
 from nxops.ops._named_layout import along_vmap_names as _along_vmap_names
 from nxops.ops._primitive import (_abstract_eval_cached, _local_aval, jvp_of_evaluation, kernel_primitive,
-                                  match_varying, selection_param)
+                                  local_primitive, match_varying, selection_param)
 
 cross_entropy_p = kernel_primitive("nx_cross_entropy", "cross_entropy",
                                    xla_cross_entropy.cross_entropy)
@@ -111,8 +112,8 @@ def _stores_grads(backward: str, tokens, hidden, vocab, kernels: str = "auto") -
     """Whether the forward pass makes the gradients (three matmuls) or the
     backward recomputes the logits (four): ``auto`` stores while the f32 dw
     and dh it holds fit ``STORED_GRADS_BYTES``, unless a kernel is selected
-    for the forward (``cross_entropy=pallas``: the stored path's forward is
-    the XLA loop, so it would not run). No tokens, or a symbolic count
+    (``cross_entropy=pallas``: its stored path, the Pallas softmax between
+    XLA's matmuls, has no GPU measurement; ``backward="in_forward"`` takes it). No tokens, or a symbolic count
     (``nx.export``): nothing to store, or no static block; recompute."""
     if not (isinstance(tokens, int) and tokens > 0):
         return False
@@ -121,6 +122,47 @@ def _stores_grads(backward: str, tokens, hidden, vocab, kernels: str = "auto") -
         return selected in ("auto", "xla") and \
             xla_cross_entropy.stored_grads_fit(tokens, hidden, vocab)
     return backward == "in_forward"
+
+
+# The stored path's forward with the Pallas kernel: a primitive lowered on
+# local avals outside the mesh context (as kernels are), since a Pallas call
+# traced in a shard_map body would see the operands' mesh shardings.
+stored_forward_pallas_p = local_primitive(
+    "nx_cross_entropy_stored_forward_pallas",
+    lambda h, w, labels, *, platform: pallas_cross_entropy.forward_with_grads(
+        h, w, labels, platform=platform), platform_param="platform")
+
+
+def _stored_forward_pallas_batcher(vals_in, dims_in, **params):
+    """One program per batch member (``lax.map``): dw sums over a member's
+    tokens only."""
+    batched = [i for i, d in enumerate(dims_in) if d is not None]
+
+    def member(xs):
+        full = list(vals_in)
+        for i, x in zip(batched, xs):
+            full[i] = x
+        return tuple(stored_forward_pallas_p.bind(*full, **params))
+    outs = lax.map(member, [jnp.moveaxis(vals_in[i], dims_in[i], 0) for i in batched])
+    return list(outs), [0] * len(outs)
+
+
+batching.primitive_batchers[stored_forward_pallas_p] = _stored_forward_pallas_batcher
+# Its derivative (a second-order one of the loss) is the reference's: the same values.
+ad.primitive_jvps[stored_forward_pallas_p] = jvp_of_evaluation(
+    lambda h, w, labels, *, platform: xla_cross_entropy.forward_with_grads(h, w, labels),
+    without_tangent=(2,))
+
+
+def _forward_with_grads(h, w, labels, kernels: str):
+    """The stored path's forward: the reference's, or with the Pallas
+    kernel's softmax where ``cross_entropy=pallas`` is selected (``auto``
+    never stores then: see ``_stores_grads``)."""
+    platform = _mesh_platform()
+    if parse_selection(kernels).backend_for("cross_entropy") == "pallas" and \
+            platform in pallas_cross_entropy.STORED_PLATFORMS:
+        return tuple(stored_forward_pallas_p.bind(h, w, labels, platform=platform))
+    return xla_cross_entropy.forward_with_grads(h, w, labels)
 
 
 def _tangent_impl(h, w, labels, lse, dh_unit, dw_unit, dh, dw, *, size, stored, with_dh,
@@ -193,7 +235,7 @@ def _cross_entropy_jvp(primals, tangents, *, chunk, backward, kernels):
     (tokens, hidden), vocab = h.shape, w.shape[1]
     stored = _stores_grads(backward, tokens, hidden, vocab, kernels)
     if stored:
-        stats, dh_unit, dw_unit = xla_cross_entropy.forward_with_grads(h, w, labels)
+        stats, dh_unit, dw_unit = _forward_with_grads(h, w, labels, kernels)
     else:
         stats = _bind(h, w, labels, chunk=chunk, backward=backward, kernels=kernels)
         dh_unit = dw_unit = jnp.zeros(EMPTY, F32)

@@ -196,10 +196,14 @@ def _abstract_eval_many(reference, avals, items, x64: bool):
     return pe.abstract_eval_fun(fn, *avals, debug_info=info)
 
 
-def local_primitive(name: str, reference: Callable[..., Sequence[Any]]) -> Primitive:
+def local_primitive(name: str, reference: Callable[..., Sequence[Any]],
+                    platform_param: str | None = None) -> Primitive:
     """A primitive with several results that always runs ``reference`` (pure
     JAX, every platform; no registry choice): a place for a batching rule of
-    its own where JAX's vmap of ``reference`` would do more work."""
+    its own where JAX's vmap of ``reference`` would do more work. With
+    ``platform_param`` (the name of its platform parameter), ``reference``
+    may call a Pallas kernel of that platform: it is lowered as kernels are,
+    for the target GPU of the devices the module is lowered for."""
     prim = Primitive(name)
     prim.multiple_results = True
 
@@ -211,7 +215,9 @@ def local_primitive(name: str, reference: Callable[..., Sequence[Any]]) -> Primi
         local_ctx = ctx.replace(avals_in=[_local_aval(a) for a in ctx.avals_in],
                                 avals_out=[_local_aval(a) for a in ctx.avals_out],
                                 name_stack=source_info_util.new_name_stack())
-        with (jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())),
+        platform = params[platform_param] if platform_param else "cpu"
+        devices = _lowering_devices(ctx) if platform_param else ()
+        with (target_devices(devices), jax.sharding.use_abstract_mesh(kernel_mesh(platform)),
               jax_config._check_vma(False)):
             return mlir.lower_fun(functools.partial(reference, **params),
                                   multiple_results=True)(local_ctx, *args)

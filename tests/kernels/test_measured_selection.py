@@ -80,9 +80,10 @@ def test_auto_on_cuda_picks_only_kernels_measured_at_most_095_of_xla(section, na
 
 def test_every_run_case_is_in_the_catalogue_and_each_kernel_has_one_version():
     catalogue = {(c.section, c.name) for c in gpu_cases.all_cases()}
-    # the run's cases, and the fused cross-entropy pair and attention's cases,
-    # measured from the next run on
-    assert catalogue - set(CASES) == {("cross_entropy", n) for n in gpu_cases.XENT_NAMES} | \
+    # the run's cases, the fused cross-entropy cases and attention's, measured
+    # from the next run on
+    assert catalogue - set(CASES) == \
+        {("cross_entropy", n) for n in (*gpu_cases.XENT_NAMES, gpu_cases.XENT_STORED)} | \
         {("attention", n) for n in gpu_cases.ATTENTION_NAMES}
     assert set(CASES) <= catalogue
     table = _measured.load("sm_90")

@@ -77,3 +77,66 @@ def test_last_split_with_tiles_wholly_past_the_vocab(monkeypatch):
     got = pallas_ce.cross_entropy(h, w, labels, platform="cpu")
     _tolerances.assert_close(got, xla_ce.cross_entropy(h, w, labels), np.float32, scale=10,
                              relative_scale=10)
+
+
+def _loss_and_grads(h, w, labels, **options):
+    """value_and_grad of a mean loss plus a z-loss (a per-token logsumexp
+    cotangent: the stored backward recomputes dw for it)."""
+    def loss(h, w):
+        ce, lse = nx.cross_entropy(h, w, labels, hidden=1, vocab=1, return_lse=True, **options)
+        return jnp.mean(ce) + 1e-2 * jnp.mean(lse ** 2)
+    return jax.value_and_grad(loss, argnums=(0, 1))(h, w)
+
+
+@pytest.mark.parametrize("dtype, z_loss", [(jnp.float32, False), (jnp.bfloat16, True)])
+def test_stored_backward_with_the_softmax_kernel(dtype, z_loss):
+    """backward="in_forward" with the kernel's softmax in place, against the
+    reference's recompute backward: a vocab past one kernel step of columns
+    (ragged), ignored positions, bf16, a z-loss."""
+    h, w, labels = operands(9, 8, 1100, dtype, seed=5)
+    labels = labels.at[2].set(-100)
+    options = dict(ignore_index=-100)
+
+    def grads(**backend):
+        def step(h, w):
+            if z_loss:
+                return _loss_and_grads(h, w, labels, **options, **backend)
+            return jax.value_and_grad(lambda h, w: jnp.mean(nx.cross_entropy(
+                h, w, labels, hidden=1, vocab=1, **options, **backend)), argnums=(0, 1))(h, w)
+        return jax.jit(step).trace(h, w)
+    with nx.kernels.use("cross_entropy=pallas"):
+        traced = grads(backward="in_forward")
+    assert "nx_cross_entropy_stored_forward_pallas" in str(traced.jaxpr)
+    got = traced.lower().compile()(h, w)
+    want = grads(backward="recompute").lower().compile()(h, w)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        _tolerances.assert_close(g, r, r.dtype, scale=float(jnp.max(jnp.abs(r))))
+
+
+def test_softmax_kernel_extreme_rows():
+    """+inf and -inf logits: the same softmax and logsumexp as the reference's
+    rows (NaN where the reference divides inf by inf)."""
+    logits = jnp.array([[jnp.inf, -jnp.inf, 1.0], [1.0, 2.0, 3.0], [-1e4, 0.0, 1e4]])
+    softmax, total, lse = pallas_ce.softmax_in_place(logits, dtype=jnp.float32, platform="cpu")
+    exp, want_total, want_lse = xla_ce.exp_rows(logits)
+    assert total is None
+    np.testing.assert_array_equal(lse, want_lse)
+    np.testing.assert_allclose(softmax, exp / want_total[:, None], rtol=1e-6)
+
+
+def test_stored_backward_with_the_softmax_kernel_vocab_parallel():
+    """The vocab on 4 devices (300 columns each, not a whole kernel step),
+    the labels on every shard: loss and gradients as the reference's."""
+    h, w, labels = operands(6, 8, 1200, jnp.float32, seed=7)
+
+    def step(h, w):
+        body = lambda h, w, l: nx.cross_entropy(h, w, l, hidden=0, vocab="v",
+                                                backward="in_forward")
+        f = nx.xmap(body, [["t", None], [None, "v"], ["t"]], ["t"], axis_resources={"v": "y"})
+        return jax.value_and_grad(lambda h, w: jnp.mean(f(h, w, labels)), argnums=(0, 1))(h, w)
+    with jax.set_mesh(jax.make_mesh((2, 4), ("x", "y"))):
+        with nx.kernels.use("cross_entropy=pallas"):
+            got = step(h, w)
+        want = step(h, w)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        _tolerances.assert_close(g, r, r.dtype, scale=float(jnp.max(jnp.abs(r))))

@@ -39,3 +39,17 @@ def test_launch_fills_the_sms(kernel):
     # 32 token blocks of 64 alone would leave most SMs idle: the vocab splits fill them.
     arch, k = kernel
     assert k.grid[0] == TOKENS // 64 and k.blocks >= gpu.ARCHS[arch].sm_count, (arch, k)
+
+
+def test_stored_backward_softmax_kernel_compiles_with_no_spills():
+    """backward="in_forward" with the Pallas kernel: the softmax written over
+    each block's logits (between XLA's matmuls), one program per 4 rows."""
+    step = jax.value_and_grad(lambda h, w, labels: nx.cross_entropy(
+        h, w, labels, hidden=1, vocab=1, backward="in_forward").sum(), argnums=(0, 1))
+    with nx.kernels.use("cross_entropy=pallas"):
+        report = gpu.compile_gpu(step, S((TOKENS, HIDDEN), jnp.bfloat16),
+                                 S((HIDDEN, VOCAB), jnp.bfloat16), S((TOKENS,), jnp.int32),
+                                 arch="h100")
+    k = report.kernel("nxops_cross_entropy_softmax")
+    assert k.registers is not None and (k.spill_stores, k.spill_loads) == (0, 0), k
+    assert k.ctas_per_sm >= 1 and k.blocks >= gpu.ARCHS["h100"].sm_count, k

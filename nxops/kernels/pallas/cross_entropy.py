@@ -2,9 +2,10 @@
 and the online logsumexp in one kernel, each logits tile only in registers.
 
 Reference: :func:`nxops.kernels.xla.cross_entropy.cross_entropy` ([2, T]: the
-logsumexp of ``h @ w`` over the vocab and the label's logit). The backward is
-the reference's (``xla.cross_entropy.differentiable``: it recomputes the
-logits chunk by chunk), so only the forward is a kernel here.
+logsumexp of ``h @ w`` over the vocab and the label's logit). Derivatives: the
+recompute backward is the reference's (it recomputes the logits chunk by
+chunk); the stored one (``backward="in_forward"``) makes the gradients in
+the forward pass with ``softmax_in_place`` below between XLA's matmuls.
 
 Grid ``(token blocks, vocab splits)``: program (i, s) walks the vocab tiles of
 split ``s`` for ``bt`` tokens; per tile it accumulates ``h[bt, bk] @ w[bk, bv]``
@@ -28,6 +29,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from nxops.kernels._registry import Kernel, register
 from nxops.kernels.pallas import _common
+from nxops.kernels.xla import cross_entropy as xla_cross_entropy
 
 F32 = jnp.float32
 # Tiles: 64 tokens x 128 vocab columns, 64-wide hidden steps (a wgmma m64n128
@@ -133,6 +135,97 @@ def cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, *, chunk: int |
     return _combine_splits(*partial)
 
 
+# --- the gradients in the forward pass (three matmuls) -------------------------
+#
+# As Liger-Kernel's fused linear cross-entropy: per token block, XLA's matmul
+# makes the block's logits [block, V] (f32), a kernel turns them in place
+# into the softmax (``input_output_aliases``: no second [block, V] array;
+# for 16-bit inputs the softmax is written in their dtype instead, the
+# matmuls' operand) and gives each row's logsumexp, and XLA's matmuls make softmax·wᵀ and
+# hᵀ·softmax from it. The loop over the blocks, the label's part (a gather)
+# and the backward are the reference's (``xla.cross_entropy
+# .forward_with_grads_by`` and ``backward_from_stored``): only the pass over
+# each row's logits is a kernel here.
+
+# Rows per program and columns per step of the softmax kernel: a [4, 1024]
+# f32 tile is 32 values per thread at 4 warps.
+SOFTMAX_ROWS, SOFTMAX_COLUMNS = 4, 1024
+# Where the stored path runs the kernel (CPU: interpreted); elsewhere the reference's.
+STORED_PLATFORMS = ("cpu", "cuda")
+
+
+def _softmax_kernel(logits_ref, softmax_ref, lse_ref, *, rows: int, columns: int):
+    tokens, vocab = logits_ref.shape
+    i = pl.program_id(0)
+    row_ids = i * rows + lax.broadcasted_iota(jnp.int32, (rows, columns), 0)
+    steps = pl.cdiv(vocab, columns)
+
+    def tile(j):
+        cols = j * columns + lax.broadcasted_iota(jnp.int32, (rows, columns), 1)
+        return pl.ds(j * columns, columns), (row_ids < tokens) & (cols < vocab)
+
+    def online(j, carry):
+        top, total = carry
+        cols, mask = tile(j)
+        logits = plgpu.load(logits_ref.at[pl.ds(i * rows, rows), cols], mask=mask,
+                            other=-jnp.inf)
+        new_top = jnp.maximum(top, jnp.max(logits, axis=1))
+        # A row whose logits are all -inf so far (or one +inf): shift by 0.
+        shift = jnp.where(jnp.isfinite(new_top), new_top, 0.0)
+        total = total * jnp.exp(top - shift) + jnp.sum(jnp.exp(logits - shift[:, None]), axis=1)
+        return new_top, total
+
+    init = (jnp.full((rows,), -jnp.inf, F32), jnp.zeros((rows,), F32))
+    top, total = lax.fori_loop(0, steps, online, init)
+    lse = jnp.where(jnp.isfinite(top), top, 0.0) + jnp.log(total)
+
+    def normalize(j, _):
+        cols, mask = tile(j)
+        block = logits_ref.at[pl.ds(i * rows, rows), cols]
+        logits = plgpu.load(block, mask=mask, other=-jnp.inf)
+        plgpu.store(softmax_ref.at[pl.ds(i * rows, rows), cols],
+                    jnp.exp(logits - lse[:, None]).astype(softmax_ref.dtype), mask=mask)
+        return 0
+
+    lax.fori_loop(0, steps, normalize, 0)
+    first_rows = i * rows + lax.broadcasted_iota(jnp.int32, (rows,), 0)
+    plgpu.store(lse_ref.at[pl.ds(i * rows, rows)], lse, mask=first_rows < tokens)
+
+
+def softmax_in_place(logits: jax.Array, *, dtype, platform: str):
+    """(softmax of each row of ``logits`` [T, V] f32 in ``dtype``, the
+    matmuls' operand dtype; its logsumexp [T] f32), the form
+    ``forward_with_grads_by`` takes (no row sums). An f32 softmax is written
+    over the logits; a 16-bit one is a new array of half their size, which
+    spares XLA's casts of an f32 softmax for the two matmuls."""
+    target = _common.target_for(platform, "triton")
+    tokens, vocab = logits.shape
+    columns = min(SOFTMAX_COLUMNS, max(16, _common.next_power_of_2(vocab)))
+    dtype = jnp.dtype(dtype)
+    softmax, lse = pl.pallas_call(
+        functools.partial(_softmax_kernel, rows=SOFTMAX_ROWS, columns=columns),
+        out_shape=[jax.ShapeDtypeStruct(logits.shape, dtype),
+                   jax.ShapeDtypeStruct((tokens,), F32)],
+        grid=(pl.cdiv(tokens, SOFTMAX_ROWS),),
+        input_output_aliases={0: 0} if dtype == F32 else {},
+        name="nxops_cross_entropy_softmax",
+        cost_estimate=_common.cost_estimate([logits, logits], [((tokens, vocab), dtype),
+                                                               ((tokens,), F32)],
+                                            flops=4 * tokens * vocab,
+                                            transcendentals=2 * tokens * vocab),
+        **_common.call_kwargs(target, num_warps=NUM_WARPS, num_stages=1),
+    )(logits)
+    return softmax, None, lse
+
+
+@functools.partial(jax.jit, static_argnames=("platform",))
+def forward_with_grads(h, w, labels, *, platform: str):
+    """The reference's ``forward_with_grads`` with each block's softmax made
+    by the kernel (in place over the logits)."""
+    return xla_cross_entropy.forward_with_grads_by(
+        h, w, labels, functools.partial(softmax_in_place, dtype=h.dtype, platform=platform))
+
+
 def not_supported_reasons(h, w, labels, *, platform: str, **params) -> list[str]:
     del labels, params
     reasons = []
@@ -147,5 +240,5 @@ KERNEL = register(Kernel(
     op="cross_entropy", backend="pallas", platforms=("cpu", "cuda"), fn=cross_entropy,
     not_supported_reasons=not_supported_reasons,
     description="Pallas (Triton) matmul + online logsumexp per token block and vocab split "
-                "(forward; the backward is the reference loop)",
+                "(forward; the stored backward's softmax in place between XLA matmuls)",
 ))

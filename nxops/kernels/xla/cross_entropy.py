@@ -393,11 +393,23 @@ def label_logits(h, w, labels):
     return jnp.where(own, picked, 0.0)
 
 
-# Jitted: the primitive's JVP and transpose call these directly, and an eager
-# jvp / jacfwd / hessian would otherwise dispatch their ops one at a time.
-@jax.jit
-def forward_with_grads(h, w, labels):
-    """(stats [2, T] as ``forward``, softmax·wᵀ [T, H] f32, hᵀ·softmax [H, V] f32)."""
+def exp_rows(logits):
+    """A block's (exponentials shifted by each row's max, their row sums,
+    logsumexp). The softmax's normalization is per token: the caller scales
+    dh's rows and h's rows (for dw) by it, never the [block, V] exponentials."""
+    top = jnp.max(logits, axis=1)
+    # A row whose logits are all -inf (or one +inf): shift by 0 there.
+    shift = jnp.where(jnp.isfinite(top), top, 0.0)
+    exp = jnp.exp(logits - shift[:, None])
+    total = jnp.sum(exp, axis=1)
+    return exp, total, shift + jnp.log(total)
+
+
+def forward_with_grads_by(h, w, labels, block_softmax):
+    """(stats [2, T] as ``forward``, softmax·wᵀ [T, H] f32, hᵀ·softmax [H, V]
+    f32), each block's softmax from ``block_softmax(logits [block, V] f32)``:
+    (weights, row sums or None, logsumexp [block]); the softmax is the weights
+    divided by the row sums (None: the weights are the softmax)."""
     (tokens, hidden), vocab = h.shape, w.shape[1]
     block = token_block(tokens, hidden, vocab)
     count = -(-tokens // block)
@@ -409,17 +421,13 @@ def forward_with_grads(h, w, labels):
         h_block = lax.dynamic_slice_in_dim(h, start, block, axis=0)
         # Rows shared with the block before: written again, added to dw once.
         new = (start + lax.broadcasted_iota(jnp.int32, (block, 1), 0)) >= first
-        logits = _logits(h_block, w)
-        top = jnp.max(logits, axis=1)
-        shift = jnp.where(jnp.isfinite(top), top, 0.0)
-        # The softmax's normalization is per token: it scales dh's rows and
-        # h's rows (for dw), never the [block, V] exponentials themselves.
-        exp = jnp.exp(logits - shift[:, None])
-        total = jnp.sum(exp, axis=1)
-        dh_block = _dot(exp, w, ((1,), (1,)), h.dtype) / total[:, None]
-        h_scaled = jnp.where(new, h_block.astype(F32) / total[:, None], 0.0)
-        dw_block = _dot(h_scaled, exp, ((0,), (0,)), h.dtype)
-        return start, shift + jnp.log(total), dh_block, dw_block
+        weights, total, lse_block = block_softmax(_logits(h_block, w))
+        dh_block = _dot(weights, w, ((1,), (1,)), h.dtype)
+        h_rows = h_block.astype(F32)
+        if total is not None:
+            dh_block, h_rows = dh_block / total[:, None], h_rows / total[:, None]
+        dw_block = _dot(jnp.where(new, h_rows, 0.0), weights, ((0,), (0,)), h.dtype)
+        return start, lse_block, dh_block, dw_block
 
     def write(carry, block_products):
         lse, dh_unit = carry
@@ -437,6 +445,14 @@ def forward_with_grads(h, w, labels):
             first[3])
     lse, dh_unit, dw_unit = lax.fori_loop(1, count, step, init)
     return jnp.stack([lse, label_logits(h, w, labels)]), dh_unit, dw_unit
+
+
+# Jitted: the primitive's JVP and transpose call these directly, and an eager
+# jvp / jacfwd / hessian would otherwise dispatch their ops one at a time.
+@jax.jit
+def forward_with_grads(h, w, labels):
+    """(stats [2, T] as ``forward``, softmax·wᵀ [T, H] f32, hᵀ·softmax [H, V] f32)."""
+    return forward_with_grads_by(h, w, labels, exp_rows)
 
 
 @functools.partial(jax.jit, static_argnames=("size", "need_dh", "need_dw"))
