@@ -9,6 +9,7 @@ alternative, if any. Modules import these names from here, never from
 """
 from __future__ import annotations
 
+import contextvars
 import inspect
 from typing import Callable
 
@@ -272,6 +273,44 @@ def bound_axis_sizes(sizes: dict):
     import contextlib
     extend = getattr(core, "extend_axis_env_nd", None)
     return extend(list(sizes.items())) if extend is not None and sizes else contextlib.nullcontext()
+
+
+# Nested jax.jit calls kept whole while xmap stages a body that it then
+# evaluates again (``stage_to_evaluate``). JAX inlines an ``inline=True`` jit
+# (every jax.numpy function) into the jaxpr being staged; evaluated again
+# under jax.grad, each inlined equation is then linearized on its own. Kept
+# as a call, it is linearized once per jaxpr (JAX caches that per jaxpr, as
+# for the code the body runs without xmap) and inlined where it is evaluated:
+# the staged program is the one the body gives traced directly.
+# Private: pjit's jit_p and its staging rule; without them jits are inlined.
+_KEEP_JIT_CALLS = contextvars.ContextVar("nxops_keep_jit_calls", default=False)
+try:
+    from jax._src.pjit import jit_p as _jit_p
+    _inlining_jit_rule = pe.custom_staging_rules.get(_jit_p)
+except ImportError:  # pragma: no cover - a JAX where it moved
+    _jit_p = _inlining_jit_rule = None
+
+
+def _jit_staging_rule(trace, source_info, *args, **params):
+    jaxpr = params["jaxpr"]
+    if (_KEEP_JIT_CALLS.get() and not params.get("compiler_options_kvs")
+            and not any(isinstance(c, core.Ref) for c in jaxpr.consts)):
+        return trace.default_process_primitive(_jit_p, args, params, source_info=source_info)
+    return _inlining_jit_rule(trace, source_info, *args, **params)
+
+
+if _inlining_jit_rule is not None:
+    pe.custom_staging_rules[_jit_p] = _jit_staging_rule
+
+
+def stage_to_evaluate(fun: Callable, *args):
+    """``jax.make_jaxpr(fun)(*args)`` for a jaxpr that ``eval_closed_jaxpr``
+    evaluates again where it runs: nested jits stay calls (see above)."""
+    token = _KEEP_JIT_CALLS.set(True)
+    try:
+        return jax.make_jaxpr(fun)(*args)
+    finally:
+        _KEEP_JIT_CALLS.reset(token)
 
 
 def eval_closed_jaxpr(closed, *args) -> list:

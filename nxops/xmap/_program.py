@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from nxops._jax import eval_closed_jaxpr
+from nxops._jax import eval_closed_jaxpr, stage_to_evaluate
 from nxops._jax import infer_out_axes as _infer_out_axes
 from nxops._jax import pin_constant as _pin_constant
 from nxops._jax import spmd_axis_names
@@ -282,7 +282,7 @@ def _loop_level(loop, inner: Inner, outputs: _Outputs) -> Inner:
         # The step is traced once, to a jaxpr that scan's step evaluates: the
         # body is not called again.
         steps = jnp.arange(loop.length, dtype=jnp.int32)
-        step_jaxpr = jax.make_jaxpr(one_step)(steps[0], [x[0] for x in xs])
+        step_jaxpr = stage_to_evaluate(one_step, steps[0], [x[0] for x in xs])
         step_avals = step_jaxpr.out_avals
         stacked = [tag in outputs.layouts[j] for j in range(len(step_avals))]
 
@@ -564,7 +564,7 @@ def _run_body(local_program: Callable, args: list, plan: Plan, in_mesh_axes: lis
         return local_program(*local)
 
     with collect_custom_calls() as calls:
-        closed = jax.make_jaxpr(pinned_program)(*args)
+        closed = stage_to_evaluate(pinned_program, *args)
     typed = any(call.kind == "custom_vjp" and call.primal_mesh_op is not None for call in calls)
     mesh_varying, branches_per_device = walk_program(closed.jaxpr, in_mesh_axes, plan, typed)
     if branches_per_device and plan.unvmapped():
