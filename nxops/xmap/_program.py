@@ -378,6 +378,21 @@ def _reshard(x, plan: Plan, spec: AxisSpec):
     return lax.with_sharding_constraint(x, sharding)
 
 
+def _retype(x, plan: Plan, spec: AxisSpec):
+    """``_reshard`` for a shard_map manual over every axis of the mesh: its
+    in_specs alone then place an input on Auto axes (a sharding constraint
+    would say the same again); on Explicit axes the input's type still moves."""
+    types = {plan.mesh._name_to_type[a] for a in plan.mesh_axes}
+    return _reshard(x, plan, spec) if AxisType.Explicit in types else x
+
+
+def _covers_mesh(axis_names: frozenset, mesh) -> bool:
+    """Whether a shard_map manual over ``axis_names`` leaves no axis of
+    ``mesh`` to the partitioner: its in_specs and out_specs then fix where
+    every operand and result lives."""
+    return all(a in axis_names for a in mesh.axis_names)
+
+
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
 def _reshard_from_no_mesh(x, sharding: NamedSharding, replicated: NamedSharding):
     """``reshard(x, sharding)`` for an input typed on no mesh, whose tangent
@@ -490,7 +505,7 @@ class _OverMesh:
                                   axis_names=call.axis_names, check_vma=False)(*call.passed))
         results = [next(outs) if e is None else jnp.zeros(e.shape, e.dtype)
                    for e in call.empty_results]
-        if manual or spmd_axis_names():
+        if manual or spmd_axis_names() or _covers_mesh(call.axis_names, mesh):
             return results
         return [constrain_on_auto_mesh(x, self._plan, s)
                 for x, s in zip(results, self._outputs.specs)]
@@ -502,11 +517,12 @@ class _OverMesh:
         # zero-size: "expected at least one operand ... GlobalToLocalShape").
         empty = [_local_shape(x.shape, plan.partition_spec(s, x.ndim), plan.mesh)
                  if x.size == 0 else None for x, s in zip(flat, specs)]
-        move = _reshard_inside_manual_region if manual else _reshard
-        passed = [(move(x, plan, s), s) for x, s, e in zip(flat, specs, empty) if e is None]
         # Under jax.vmap(..., spmd_axis_name=...) the spmd axes are manual too:
         # JAX's batching rule of a shard_map that leaves them automatic fails.
         axis_names = frozenset(plan.mesh_axes) | spmd_axis_names()
+        move = (_reshard_inside_manual_region if manual
+                else _retype if _covers_mesh(axis_names, plan.mesh) else _reshard)
+        passed = [(move(x, plan, s), s) for x, s, e in zip(flat, specs, empty) if e is None]
         in_pspecs = tuple(plan.partition_spec(s, x.ndim) for x, s in passed)
         narrowed = [_narrowed_dtype(x, p, axis_names) for (x, _), p in zip(passed, in_pspecs)]
         passed_arrays = [x if d is None else x.astype(jnp.float32)
