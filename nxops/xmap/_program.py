@@ -116,7 +116,12 @@ def _merge_split_dims(x, spec: AxisSpec, ndim: int, plan: Plan):
         parts = len(plan.axis(named[dim]).loops) + 1 if dim in named else 1
         shape.append(math.prod(x.shape[i:i + parts]))
         i += parts
-    return x.reshape(shape)
+    return _reshaped(x, shape)
+
+
+def _reshaped(x, shape: Sequence[int]):
+    """``x.reshape(shape)``, with no operation when it already has that shape."""
+    return x if tuple(x.shape) == tuple(shape) else lax.reshape(x, tuple(shape))
 
 
 def _restrict(full: list[Tag], present: list[Tag], tag: Tag) -> list[Tag]:
@@ -184,7 +189,7 @@ def _squeeze_level(name: str, inner: Inner, outputs: _Outputs) -> Inner:
     tag = TileTag(name)
 
     def level(flat: list, layouts: list) -> tuple[list, list]:
-        flat = [jnp.squeeze(x, lay.index(tag)) if tag in lay else x
+        flat = [lax.squeeze(x, (lay.index(tag),)) if tag in lay else x
                 for x, lay in zip(flat, layouts)]
         outs, inner_layouts = inner(flat, [[t for t in lay if t != tag] for lay in layouts])
         new_outs, new_layouts = [], []
@@ -194,7 +199,7 @@ def _squeeze_level(name: str, inner: Inner, outputs: _Outputs) -> Inner:
                 new_layouts.append(lay)
                 continue
             target = _restrict(outputs.layouts[j], lay, tag)
-            new_outs.append(jnp.expand_dims(x, target.index(tag)))
+            new_outs.append(lax.expand_dims(x, (target.index(tag),)))
             new_layouts.append(target)
         return new_outs, new_layouts
     return level
@@ -437,7 +442,7 @@ def build_program(body: Callable, plan: Plan, in_tree, in_specs: list[AxisSpec],
         inner = _loop_level(loop, inner, outputs)
 
     def local_program(*flat):
-        split = [x.reshape(_split_shape(s, x.shape, plan)) for x, s in zip(flat, in_specs)]
+        split = [_reshaped(x, _split_shape(s, x.shape, plan)) for x, s in zip(flat, in_specs)]
         layouts = [split_layout(s, x.ndim, plan) for x, s in zip(flat, in_specs)]
         outs, _ = inner(split, layouts)
         return [_merge_split_dims(x, s, x.ndim - sum(len(plan.axis(n).loops) for n in s.axis_names), plan)
