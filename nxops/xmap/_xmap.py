@@ -248,11 +248,15 @@ class XmapFunction:
 
         run.__name__ = getattr(self._fun, "__name__", "xmapped")
         jit_kwargs = {"backend": _present(self._backend)} if self._backend is not None else {}
-        jitted = jax.jit(run, donate_argnums=self._donate_argnums, **jit_kwargs)
-        on_mesh = jitted if mesh is None or not _concrete_mesh_unset() else _UnderMesh(mesh, jitted)
-        if mesh is None or _names_mesh_axes(resources, mesh) or jax.process_count() > 1:
-            return on_mesh, run
-        return _OffMesh(mesh, jitted, on_mesh), run
+        concrete_mesh_unset = _concrete_mesh_unset()
+
+        def make() -> Callable:
+            jitted = jax.jit(run, donate_argnums=self._donate_argnums, **jit_kwargs)
+            on_mesh = jitted if mesh is None or not concrete_mesh_unset else _UnderMesh(mesh, jitted)
+            if mesh is None or _names_mesh_axes(resources, mesh) or jax.process_count() > 1:
+                return on_mesh
+            return _OffMesh(mesh, jitted, on_mesh)
+        return _MadeOnFirstUse(make), run
 
     def _run(self, mesh: Mesh | None, resources: dict, args: tuple) -> Any:
         """What the jitted program traces: plan, checks, then the program."""
@@ -537,6 +541,26 @@ def _unsharded_type(x):
     if all(entry is None for entry in spec):
         return x
     return jax.sharding.reshard(x, PartitionSpec(*[None] * x.ndim))
+
+
+class _MadeOnFirstUse:
+    """The jitted program, made when first called or lowered: an xmap called
+    inside an enclosing trace (a jax.jit, jax.grad) traces ``run`` inline and
+    never needs it, and making a jax.jit costs (it inspects the signature)."""
+
+    def __init__(self, make: Callable[[], Callable]):
+        self._make, self._made = make, None
+
+    def _program(self) -> Callable:
+        if self._made is None:
+            self._made = self._make()
+        return self._made
+
+    def __call__(self, *args):
+        return self._program()(*args)
+
+    def lower(self, *args):
+        return self._program().lower(*args)
 
 
 class _UnderMesh:
