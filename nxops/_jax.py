@@ -21,6 +21,7 @@ from jax import lax
 # that tracing wants. Public alternative: none for custom primitives with
 # per-platform lowering rules (jax.extend.core.Primitive is the public part).
 from jax._src import api_util, dispatch
+from jax._src import linear_util as _lu
 from jax._src.interpreters import partial_eval as pe
 # core: ShapedArray without sharding/vma (kernels lower on plain avals),
 # get_axis_env (which vmap/shard_map names are bound: ops/_axis_env.py),
@@ -305,12 +306,24 @@ if _inlining_jit_rule is not None:
 
 def stage_to_evaluate(fun: Callable, *args):
     """``jax.make_jaxpr(fun)(*args)`` for a jaxpr that ``eval_closed_jaxpr``
-    evaluates again where it runs: nested jits stay calls (see above)."""
+    evaluates again where it runs: nested jits stay calls (see above). It
+    traces straight to a jaxpr: make_jaxpr goes through a jax.jit of ``fun``,
+    whose set-up (signature checks, the jit's own cache) costs about as much
+    as tracing a small function. ``fun`` returns a flat list of arrays.
+    Private: partial_eval's trace_to_jaxpr_dynamic and linear_util's
+    wrap_init; public alternative: jax.make_jaxpr (slower)."""
+    flat, tree = jax.tree.flatten(args)
+
+    def flat_fun(*leaves):
+        return fun(*jax.tree.unflatten(tree, leaves))
+    debug = api_util.debug_info("nx.xmap", flat_fun, flat, {})
     token = _KEEP_JIT_CALLS.set(True)
     try:
-        return jax.make_jaxpr(fun)(*args)
+        jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
+            _lu.wrap_init(flat_fun, debug_info=debug), [jax.typeof(x) for x in flat])
     finally:
         _KEEP_JIT_CALLS.reset(token)
+    return core.ClosedJaxpr(jaxpr, consts)
 
 
 def eval_closed_jaxpr(closed, *args) -> list:
