@@ -15,6 +15,7 @@ from typing import Callable
 
 import jax
 from jax import lax
+from jax.extend.core import ClosedJaxpr
 
 # Primitive machinery (ops/_primitive.py): the impl of a primitive through
 # dispatch, abstract evaluation by tracing the reference, and the debug info
@@ -323,7 +324,7 @@ def stage_to_evaluate(fun: Callable, *args):
             _lu.wrap_init(flat_fun, debug_info=debug), [jax.typeof(x) for x in flat])
     finally:
         _KEEP_JIT_CALLS.reset(token)
-    return core.ClosedJaxpr(jaxpr, consts)
+    return ClosedJaxpr(jaxpr, consts)
 
 
 def eval_closed_jaxpr(closed, *args) -> list:
