@@ -27,7 +27,7 @@ from jax._src.interpreters import partial_eval as pe
 # core: ShapedArray without sharding/vma (kernels lower on plain avals),
 # get_axis_env (which vmap/shard_map names are bound: ops/_axis_env.py),
 # jaxprs_in_params (xmap's variance walk), trace_state_clean (is xmap called
-# eagerly, outside any jit: xmap._OffMesh). No public alternative.
+# eagerly, outside any jit: xmap._mesh_calls.OffMesh). No public alternative.
 from jax._src import core
 # The lowering context's axis context: is an op auto-partitioned by XLA?
 from jax._src import sharding_impls
