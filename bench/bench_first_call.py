@@ -21,6 +21,7 @@ alternates per round); the table holds the medians.
     python -m bench.bench_first_call --rounds 5 --programs fg_mlp training_step
     python -m bench.bench_first_call --rounds 3 --programs gptj_stack
     python -m bench.bench_first_call --lower-in-process 15 --programs fg_mlp training_step
+    python -m bench.bench_first_call --calls-per-lower 3 --programs fg_mlp training_step
     python -m bench.bench_first_call --worker fg_mlp 2 xmap  # one sample, as JSON
 """
 from __future__ import annotations
@@ -213,6 +214,34 @@ def lower_ratios(program: str, mp: int, repeats: int, gptj_layers: int = GPTJ_LA
             "ratio": statistics.median(ratios)}
 
 
+def calls_per_lower(program: str, mp: int, repeats: int, gptj_layers: int = GPTJ_LAYERS) -> dict:
+    """In this process: the Python function calls (and C calls) one trace +
+    lower of a fresh step makes, per implementation, after one warm-up each.
+    The same count on any load, so a steady proxy for the time it takes."""
+    def count(impl: str, makers, args) -> int:
+        calls = [0]
+
+        def hook(frame, event, arg):
+            if event in ("call", "c_call"):
+                calls[0] += 1
+        step = _step(makers[impl])
+        sys.setprofile(hook)
+        try:
+            step.lower(*args)
+        finally:
+            sys.setprofile(None)
+        return calls[0]
+
+    with _on_mesh(program, mp, gptj_layers) as (makers, args):
+        counts: dict = {impl: [] for impl in IMPLS}
+        for r in range(repeats + 1):
+            for impl in IMPLS:
+                n = count(impl, makers, args)
+                if r:   # round 0 warms up
+                    counts[impl].append(n)
+    return {impl: statistics.median(counts[impl]) for impl in IMPLS}
+
+
 def _sample(program: str, mp: int, impl: str, gptj_layers: int) -> dict:
     out = subprocess.run([sys.executable, "-m", "bench.bench_first_call", "--worker", program,
                           str(mp), impl, "--gptj-layers", str(gptj_layers)],
@@ -271,7 +300,17 @@ def main(argv=None) -> None:
     parser.add_argument("--gptj-layers", type=int, default=GPTJ_LAYERS)
     parser.add_argument("--lower-in-process", type=int, metavar="ROUNDS",
                         help="only trace + lower, ROUNDS interleaved rounds in this process")
+    parser.add_argument("--calls-per-lower", type=int, metavar="ROUNDS",
+                        help="only count the Python calls of one trace + lower (median of ROUNDS)")
     args = parser.parse_args(argv)
+    if args.calls_per_lower:
+        print("| program | mp | Python calls per trace + lower, xmap / twin |\n|---|---|---|")
+        for program in args.programs:
+            for mp in args.mp:
+                c = calls_per_lower(program, mp, args.calls_per_lower, args.gptj_layers)
+                print(f"| {program} | {mp} | {c['xmap']:.0f} / {c['twin']:.0f} = "
+                      f"**{c['xmap'] / c['twin']:.2f}x** |", flush=True)
+        return
     if args.worker:
         program, mp, impl = args.worker
         print(json.dumps(worker(program, int(mp), impl, args.gptj_layers)))

@@ -9,22 +9,25 @@ alternative, if any. Modules import these names from here, never from
 """
 from __future__ import annotations
 
+import contextvars
 import inspect
 from typing import Callable
 
 import jax
 from jax import lax
+from jax.extend.core import ClosedJaxpr
 
 # Primitive machinery (ops/_primitive.py): the impl of a primitive through
 # dispatch, abstract evaluation by tracing the reference, and the debug info
 # that tracing wants. Public alternative: none for custom primitives with
 # per-platform lowering rules (jax.extend.core.Primitive is the public part).
 from jax._src import api_util, dispatch
+from jax._src import linear_util as _lu
 from jax._src.interpreters import partial_eval as pe
 # core: ShapedArray without sharding/vma (kernels lower on plain avals),
 # get_axis_env (which vmap/shard_map names are bound: ops/_axis_env.py),
 # jaxprs_in_params (xmap's variance walk), trace_state_clean (is xmap called
-# eagerly, outside any jit: xmap._OffMesh). No public alternative.
+# eagerly, outside any jit: xmap._mesh_calls.OffMesh). No public alternative.
 from jax._src import core
 # The lowering context's axis context: is an op auto-partitioned by XLA?
 from jax._src import sharding_impls
@@ -272,6 +275,56 @@ def bound_axis_sizes(sizes: dict):
     import contextlib
     extend = getattr(core, "extend_axis_env_nd", None)
     return extend(list(sizes.items())) if extend is not None and sizes else contextlib.nullcontext()
+
+
+# Nested jax.jit calls kept whole while xmap stages a body that it then
+# evaluates again (``stage_to_evaluate``). JAX inlines an ``inline=True`` jit
+# (every jax.numpy function) into the jaxpr being staged; evaluated again
+# under jax.grad, each inlined equation is then linearized on its own. Kept
+# as a call, it is linearized once per jaxpr (JAX caches that per jaxpr, as
+# for the code the body runs without xmap) and inlined where it is evaluated:
+# the staged program is the one the body gives traced directly.
+# Private: pjit's jit_p and its staging rule; without them jits are inlined.
+_KEEP_JIT_CALLS = contextvars.ContextVar("nxops_keep_jit_calls", default=False)
+try:
+    from jax._src.pjit import jit_p as _jit_p
+    _inlining_jit_rule = pe.custom_staging_rules.get(_jit_p)
+except ImportError:  # pragma: no cover - a JAX where it moved
+    _jit_p = _inlining_jit_rule = None
+
+
+def _jit_staging_rule(trace, source_info, *args, **params):
+    jaxpr = params["jaxpr"]
+    if (_KEEP_JIT_CALLS.get() and not params.get("compiler_options_kvs")
+            and not any(isinstance(c, core.Ref) for c in jaxpr.consts)):
+        return trace.default_process_primitive(_jit_p, args, params, source_info=source_info)
+    return _inlining_jit_rule(trace, source_info, *args, **params)
+
+
+if _inlining_jit_rule is not None:
+    pe.custom_staging_rules[_jit_p] = _jit_staging_rule
+
+
+def stage_to_evaluate(fun: Callable, *args):
+    """``jax.make_jaxpr(fun)(*args)`` for a jaxpr that ``eval_closed_jaxpr``
+    evaluates again where it runs: nested jits stay calls (see above). It
+    traces straight to a jaxpr: make_jaxpr goes through a jax.jit of ``fun``,
+    whose set-up (signature checks, the jit's own cache) costs about as much
+    as tracing a small function. ``fun`` returns a flat list of arrays.
+    Private: partial_eval's trace_to_jaxpr_dynamic and linear_util's
+    wrap_init; public alternative: jax.make_jaxpr (slower)."""
+    flat, tree = jax.tree.flatten(args)
+
+    def flat_fun(*leaves):
+        return fun(*jax.tree.unflatten(tree, leaves))
+    debug = api_util.debug_info("nx.xmap", flat_fun, flat, {})
+    token = _KEEP_JIT_CALLS.set(True)
+    try:
+        jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
+            _lu.wrap_init(flat_fun, debug_info=debug), [jax.typeof(x) for x in flat])
+    finally:
+        _KEEP_JIT_CALLS.reset(token)
+    return ClosedJaxpr(jaxpr, consts)
 
 
 def eval_closed_jaxpr(closed, *args) -> list:

@@ -25,16 +25,17 @@ of the one trace of the body (``walk_program``); it does not call the body.
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 
 from nxops._errors import NxopsError
-from nxops._jax import bwd_cotangents, custom_rule_wrappers
+from nxops._jax import (bwd_cotangents, custom_rule_wrappers, eval_closed_jaxpr,
+                        stage_to_evaluate)
 from nxops.kernels.xla import collectives as xla_collectives
 from nxops.ops._axis_env import mesh_platform as _mesh_platform
 from nxops.ops._axis_env import CustomCall
-from nxops.xmap._varying import Names, VaryingWalk, open_jaxpr
+from nxops.xmap._varying import Names, VaryingWalk
 
 
 def _float(x) -> bool:
@@ -87,9 +88,10 @@ class _TypedBwd:
             whole = tuple(m for m in mesh_axes if m not in names)
             if whole and _float(cts[j]):   # (16-bit floats summed in f32 on CPU)
                 cts[j] = xla_collectives.psum(cts[j], whole, platform=_mesh_platform())
+        traced = _TracedBwd(bwd, res, cts)
         cts_names = [Names(n) & Names(mesh_axes) for n in results]
-        out_names = self._bwd_result_names(bwd, res, cts, cts_names, mesh_axes)
-        out, rebuild = bwd_cotangents(bwd(*res, *cts))
+        out_names = self._bwd_result_names(traced, len(res), cts_names, mesh_axes)
+        out, rebuild = traced.results(res, cts)
         for i, names in enumerate(operands):
             if not _float(out[i]):
                 continue
@@ -98,23 +100,18 @@ class _TypedBwd:
                 out[i] = out[i] / math.prod(mesh.shape[m] for m in one_value)
         return rebuild(out)
 
-    def _bwd_result_names(self, bwd, res, cts, cts_names, mesh_axes) -> list:
+    def _bwd_result_names(self, traced: "_TracedBwd", n_res: int, cts_names: list,
+                          mesh_axes: tuple) -> list:
         """The mesh axes each of ``bwd``'s cotangents varies along. A residual's
         are not known; an answer that depends on them is refused."""
-        kept: list[int] = []
-
-        def arrays(*a):
-            outs, _ = bwd_cotangents(bwd(*a))
-            kept[:] = [i for i, o in enumerate(outs) if isinstance(o, jax.Array)]
-            return [outs[i] for i in kept]
-        jaxpr = open_jaxpr(jax.make_jaxpr(arrays)(*res, *cts).jaxpr)
+        jaxpr = traced.closed.jaxpr
         logical = {m: m for m in mesh_axes}
         operands = self.names[0]
         answers = []
         for residual_names in (Names(), Names(mesh_axes)):
-            names = VaryingWalk(logical, {}).run(jaxpr, [residual_names] * len(res) + cts_names)
+            names = VaryingWalk(logical, {}).run(jaxpr, [residual_names] * n_res + cts_names)
             per_operand = [Names()] * len(operands)
-            for i, n in zip(kept, names):
+            for i, n in zip(traced.kept, names):
                 per_operand[i] = n
             answers.append(per_operand)
         for i, (low, high) in enumerate(zip(*answers)):
@@ -128,3 +125,33 @@ class _TypedBwd:
                     f"resources. Take jax.grad inside the xmapped function, or map the name "
                     f"on {undecided[0]!r} to no resources.")
         return answers[0]
+
+
+class _TracedBwd:
+    """``bwd`` traced once on its residuals and cotangents: the jaxpr the
+    walk reads, then evaluated for the cotangents it returns (its Python is
+    not run again)."""
+
+    def __init__(self, bwd: Callable, res: list, cts: list):
+        self._bwd = bwd
+        self.kept: list[int] = []     # which of bwd's cotangents are arrays
+        self._returned: Any = None    # what bwd returned (its other entries reused)
+
+        def arrays(*a):
+            self._returned = bwd(*a)
+            outs, _ = bwd_cotangents(self._returned)
+            self.kept[:] = [i for i, o in enumerate(outs) if isinstance(o, jax.Array)]
+            return [outs[i] for i in self.kept]
+        self.closed = stage_to_evaluate(arrays, *res, *cts)
+
+    def results(self, res: list, cts: list) -> tuple[list, Callable]:
+        """``bwd_cotangents(bwd(*res, *cts))``, from the jaxpr; ``bwd`` is called
+        again only when it returned more than cotangents (logs of JAX 0.12's
+        ``defvjp_with_logs``), which may hold values of the trace."""
+        returned = self._returned
+        if isinstance(returned, tuple) and len(returned) == 2 and returned[1] is not None:
+            return bwd_cotangents(self._bwd(*res, *cts))
+        out, rebuild = bwd_cotangents(returned)
+        for i, x in zip(self.kept, eval_closed_jaxpr(self.closed, *res, *cts)):
+            out[i] = x
+        return out, rebuild

@@ -135,7 +135,7 @@ def normalize_axis_resources(axis_resources: Any, defined: Sequence[str]) -> dic
 
 class NeedsMesh(Exception):
     """An xmap traced off the mesh (its own plan uses no mesh axis: see
-    ``_xmap._OffMesh``) contains a nested xmap whose plan uses mesh axes, so
+    ``_mesh_calls.OffMesh``) contains a nested xmap whose plan uses mesh axes, so
     the outer one must run on the mesh after all."""
 
 

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from nxops._jax import eval_closed_jaxpr
+from nxops._jax import eval_closed_jaxpr, stage_to_evaluate
 from nxops._jax import infer_out_axes as _infer_out_axes
 from nxops._jax import pin_constant as _pin_constant
 from nxops._jax import spmd_axis_names
@@ -116,7 +116,12 @@ def _merge_split_dims(x, spec: AxisSpec, ndim: int, plan: Plan):
         parts = len(plan.axis(named[dim]).loops) + 1 if dim in named else 1
         shape.append(math.prod(x.shape[i:i + parts]))
         i += parts
-    return x.reshape(shape)
+    return _reshaped(x, shape)
+
+
+def _reshaped(x, shape: Sequence[int]):
+    """``x.reshape(shape)``, with no operation when it already has that shape."""
+    return x if tuple(x.shape) == tuple(shape) else lax.reshape(x, tuple(shape))
 
 
 def _restrict(full: list[Tag], present: list[Tag], tag: Tag) -> list[Tag]:
@@ -184,7 +189,7 @@ def _squeeze_level(name: str, inner: Inner, outputs: _Outputs) -> Inner:
     tag = TileTag(name)
 
     def level(flat: list, layouts: list) -> tuple[list, list]:
-        flat = [jnp.squeeze(x, lay.index(tag)) if tag in lay else x
+        flat = [lax.squeeze(x, (lay.index(tag),)) if tag in lay else x
                 for x, lay in zip(flat, layouts)]
         outs, inner_layouts = inner(flat, [[t for t in lay if t != tag] for lay in layouts])
         new_outs, new_layouts = [], []
@@ -194,7 +199,7 @@ def _squeeze_level(name: str, inner: Inner, outputs: _Outputs) -> Inner:
                 new_layouts.append(lay)
                 continue
             target = _restrict(outputs.layouts[j], lay, tag)
-            new_outs.append(jnp.expand_dims(x, target.index(tag)))
+            new_outs.append(lax.expand_dims(x, (target.index(tag),)))
             new_layouts.append(target)
         return new_outs, new_layouts
     return level
@@ -282,7 +287,7 @@ def _loop_level(loop, inner: Inner, outputs: _Outputs) -> Inner:
         # The step is traced once, to a jaxpr that scan's step evaluates: the
         # body is not called again.
         steps = jnp.arange(loop.length, dtype=jnp.int32)
-        step_jaxpr = jax.make_jaxpr(one_step)(steps[0], [x[0] for x in xs])
+        step_jaxpr = stage_to_evaluate(one_step, steps[0], [x[0] for x in xs])
         step_avals = step_jaxpr.out_avals
         stacked = [tag in outputs.layouts[j] for j in range(len(step_avals))]
 
@@ -378,6 +383,21 @@ def _reshard(x, plan: Plan, spec: AxisSpec):
     return lax.with_sharding_constraint(x, sharding)
 
 
+def _retype(x, plan: Plan, spec: AxisSpec):
+    """``_reshard`` for a shard_map manual over every axis of the mesh: its
+    in_specs alone then place an input on Auto axes (a sharding constraint
+    would say the same again); on Explicit axes the input's type still moves."""
+    types = {plan.mesh._name_to_type[a] for a in plan.mesh_axes}
+    return _reshard(x, plan, spec) if AxisType.Explicit in types else x
+
+
+def _covers_mesh(axis_names: frozenset, mesh) -> bool:
+    """Whether a shard_map manual over ``axis_names`` leaves no axis of
+    ``mesh`` to the partitioner: its in_specs and out_specs then fix where
+    every operand and result lives."""
+    return all(a in axis_names for a in mesh.axis_names)
+
+
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
 def _reshard_from_no_mesh(x, sharding: NamedSharding, replicated: NamedSharding):
     """``reshard(x, sharding)`` for an input typed on no mesh, whose tangent
@@ -422,7 +442,7 @@ def build_program(body: Callable, plan: Plan, in_tree, in_specs: list[AxisSpec],
         inner = _loop_level(loop, inner, outputs)
 
     def local_program(*flat):
-        split = [x.reshape(_split_shape(s, x.shape, plan)) for x, s in zip(flat, in_specs)]
+        split = [_reshaped(x, _split_shape(s, x.shape, plan)) for x, s in zip(flat, in_specs)]
         layouts = [split_layout(s, x.ndim, plan) for x, s in zip(flat, in_specs)]
         outs, _ = inner(split, layouts)
         return [_merge_split_dims(x, s, x.ndim - sum(len(plan.axis(n).loops) for n in s.axis_names), plan)
@@ -490,7 +510,7 @@ class _OverMesh:
                                   axis_names=call.axis_names, check_vma=False)(*call.passed))
         results = [next(outs) if e is None else jnp.zeros(e.shape, e.dtype)
                    for e in call.empty_results]
-        if manual or spmd_axis_names():
+        if manual or spmd_axis_names() or _covers_mesh(call.axis_names, mesh):
             return results
         return [constrain_on_auto_mesh(x, self._plan, s)
                 for x, s in zip(results, self._outputs.specs)]
@@ -502,11 +522,12 @@ class _OverMesh:
         # zero-size: "expected at least one operand ... GlobalToLocalShape").
         empty = [_local_shape(x.shape, plan.partition_spec(s, x.ndim), plan.mesh)
                  if x.size == 0 else None for x, s in zip(flat, specs)]
-        move = _reshard_inside_manual_region if manual else _reshard
-        passed = [(move(x, plan, s), s) for x, s, e in zip(flat, specs, empty) if e is None]
         # Under jax.vmap(..., spmd_axis_name=...) the spmd axes are manual too:
         # JAX's batching rule of a shard_map that leaves them automatic fails.
         axis_names = frozenset(plan.mesh_axes) | spmd_axis_names()
+        move = (_reshard_inside_manual_region if manual
+                else _retype if _covers_mesh(axis_names, plan.mesh) else _reshard)
+        passed = [(move(x, plan, s), s) for x, s, e in zip(flat, specs, empty) if e is None]
         in_pspecs = tuple(plan.partition_spec(s, x.ndim) for x, s in passed)
         narrowed = [_narrowed_dtype(x, p, axis_names) for (x, _), p in zip(passed, in_pspecs)]
         passed_arrays = [x if d is None else x.astype(jnp.float32)
@@ -564,7 +585,7 @@ def _run_body(local_program: Callable, args: list, plan: Plan, in_mesh_axes: lis
         return local_program(*local)
 
     with collect_custom_calls() as calls:
-        closed = jax.make_jaxpr(pinned_program)(*args)
+        closed = stage_to_evaluate(pinned_program, *args)
     typed = any(call.kind == "custom_vjp" and call.primal_mesh_op is not None for call in calls)
     mesh_varying, branches_per_device = walk_program(closed.jaxpr, in_mesh_axes, plan, typed)
     if branches_per_device and plan.unvmapped():

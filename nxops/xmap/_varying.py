@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import weakref
 from typing import Any, Callable, Sequence
 
 import jax
@@ -221,6 +222,9 @@ class VaryingWalk:
         params, n_out = eqn.params, len(eqn.outvars)
         sub = [open_jaxpr(j) for j in _sub_jaxprs(params)]
         if len(sub) == 1 and len(sub[0].invars) == len(ins) and len(sub[0].outvars) == n_out:
+            deps = None if self._shared else _dependencies(sub[0])
+            if deps is not None:   # (a jax.numpy function's jit, mostly)
+                return [Names().union(*(ins[i] for i in d)) for d in deps]
             return self.run(sub[0], ins)   # jit, checkpoint, custom_jvp/vjp, shard_map, ...
         if sub:
             return self._unaligned(sub, ins, n_out)
@@ -350,6 +354,56 @@ class VaryingWalk:
                     f"chunks of {a!r} and {b!r}, so this would compute wrong results. Map "
                     f"one of them to other resources (other mesh axes, or none) in "
                     f"axis_resources (e.g. keep only {a!r} on {show_resource(resource)}).")
+
+
+# jaxpr -> per output, the inputs it depends on (None: see _dependencies).
+_DEPENDENCIES: "weakref.WeakKeyDictionary[Jaxpr, list | None]" = weakref.WeakKeyDictionary()
+
+
+def _dependencies(jaxpr: Jaxpr) -> list[frozenset] | None:
+    """Per output of ``jaxpr``, the indices of the inputs it depends on, when
+    no equation in it is one the walk treats apart (a collective, a position
+    query, a named op, a custom rule, control flow): each output then varies
+    along what those inputs vary along. None otherwise. Cached per jaxpr: the
+    jitted jax.numpy functions a body calls come back with the same jaxprs,
+    in every body and every lowering."""
+    try:
+        return _DEPENDENCIES[jaxpr]
+    except KeyError:
+        pass
+    except TypeError:   # not weak-referenceable
+        return _compute_dependencies(jaxpr)
+    deps = _DEPENDENCIES[jaxpr] = _compute_dependencies(jaxpr)
+    return deps
+
+
+def _compute_dependencies(jaxpr: Jaxpr) -> list[frozenset] | None:
+    env: dict = {v: frozenset((i,)) for i, v in enumerate(jaxpr.invars)}
+    read = lambda v: frozenset() if isinstance(v, Literal) else env.get(v, frozenset())
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if (name in _LAX_COLLECTIVES or name in _WALKED_APART
+                or named_axes_effect(eqn.primitive, eqn.params) is not None):
+            return None
+        ins = [read(v) for v in eqn.invars]
+        sub = [open_jaxpr(j) for j in _sub_jaxprs(eqn.params)]
+        if not sub:
+            outs = [frozenset().union(*ins)] * len(eqn.outvars)
+        elif (len(sub) == 1 and len(sub[0].invars) == len(ins)
+              and len(sub[0].outvars) == len(eqn.outvars)):
+            inner = _dependencies(sub[0])
+            if inner is None:
+                return None
+            outs = [frozenset().union(*(ins[i] for i in d)) for d in inner]
+        else:
+            return None
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
+
+
+# Equations VaryingWalk reads with rules of their own.
+_WALKED_APART = {"axis_index", "scan", "while", "cond"} | {
+    "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
 
 
 def _sub_jaxprs(params) -> list:

@@ -3,16 +3,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import difflib
 import functools
 import weakref
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nxops._jax import ArrayImpl as _ArrayImpl
-from nxops._jax import core as _jax_core
 from nxops._jax import device_context as _device_context     # what jax.set_mesh sets
 from nxops._jax import legacy_mesh_context as _legacy_meshes   # what `with mesh:` sets
 from nxops._jax import mesh_lib as _mesh_lib
@@ -24,7 +22,7 @@ from nxops._platforms import normalize_platform
 from nxops._typing import AxisResources
 from nxops.ops._axis_env import current_logical_axes, current_logical_axes_map, logical_axes
 from nxops.xmap._plan import (Plan, check_shared_resources, mesh_in_scope,
-                              normalize_axis_resources, off_mesh, plan_axis_resources)
+                              normalize_axis_resources, plan_axis_resources)
 from nxops.xmap._program import (NeedsVmapLevels, build_program, constrain_on_auto_mesh,
                                  explicit_mesh_constants, pinned_constants)
 from nxops.xmap._resources import loops_in_scope
@@ -33,6 +31,12 @@ from nxops.xmap._specs import (AxisSpec, broadcast_specs, infer_axis_sizes, pars
                                spec_names)
 from nxops.xmap._varying import (analyse_shared, closed_over_constants, runs_without,
                                   shared_resources)
+from nxops.xmap._mesh_calls import MadeOnFirstUse, names_mesh_axes, OffMesh, UnderMesh
+from nxops.xmap._xmap_errors import (closed_over_error, closed_over_tracer_error,
+                                     closing_over_explicit, explained_value_error,
+                                     missing_out_names_error, mixing_mesh_types,
+                                     nested_closure_error, non_array_argument_error,
+                                     quote)
 
 # The meshes in scope when the enclosing xmap was called (None: no enclosing xmap).
 _ENCLOSING_MESH: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
@@ -80,7 +84,7 @@ class XmapFunction:
         out_names = spec_names(self._out_axes)
         missing = [n for n in out_names if n not in defined]
         if missing:
-            raise _missing_out_names_error(missing, defined, in_axes, out_axes)
+            raise missing_out_names_error(missing, defined, in_axes, out_axes)
         # Names only the body may use (old xmap: `lax.psum(x, 'i')` with
         # axis_sizes={'i': 4}); checked once the body is traced (_check_body_uses).
         self._body_only_names = [n for n in self._axis_sizes if n not in in_names + out_names]
@@ -136,13 +140,13 @@ class XmapFunction:
             return jitted(*placed)
         except TypeError as e:
             # jit could not abstract an argument: name it (jit names xmap's inner `run`).
-            error = _non_array_argument_error(args)
+            error = non_array_argument_error(args)
             if error is None:
                 raise
             raise error from e
         except ValueError as e:
             # Checked only after a failure, so the common call pays nothing.
-            error = _explained_value_error(e, args)
+            error = explained_value_error(e, args)
             if error is not None:
                 raise error from e
             if isinstance(e, NxopsError) or not _committed_elsewhere(args):
@@ -155,7 +159,7 @@ class XmapFunction:
         jax.grad, ...), with no jit of its own: a nested jit would be traced,
         then linearized and lowered as a second function, and the enclosing
         transformation caches the whole trace anyway."""
-        error = _non_array_argument_error(args)
+        error = non_array_argument_error(args)
         if error is not None:
             raise error
         try:
@@ -178,7 +182,7 @@ class XmapFunction:
         except _InputsOnAnotherMesh as e:
             raise NxopsError(str(e)) from None
         except TypeError as e:
-            error = _non_array_argument_error(args)
+            error = non_array_argument_error(args)
             if error is None:
                 raise
             raise error from e
@@ -248,11 +252,15 @@ class XmapFunction:
 
         run.__name__ = getattr(self._fun, "__name__", "xmapped")
         jit_kwargs = {"backend": _present(self._backend)} if self._backend is not None else {}
-        jitted = jax.jit(run, donate_argnums=self._donate_argnums, **jit_kwargs)
-        on_mesh = jitted if mesh is None or not _concrete_mesh_unset() else _UnderMesh(mesh, jitted)
-        if mesh is None or _names_mesh_axes(resources, mesh) or jax.process_count() > 1:
-            return on_mesh, run
-        return _OffMesh(mesh, jitted, on_mesh), run
+        concrete_mesh_unset = _concrete_mesh_unset()
+
+        def make() -> Callable:
+            jitted = jax.jit(run, donate_argnums=self._donate_argnums, **jit_kwargs)
+            on_mesh = jitted if mesh is None or not concrete_mesh_unset else UnderMesh(mesh, jitted)
+            if mesh is None or names_mesh_axes(resources, mesh) or jax.process_count() > 1:
+                return on_mesh
+            return OffMesh(mesh, jitted, on_mesh)
+        return MadeOnFirstUse(make), run
 
     def _run(self, mesh: Mesh | None, resources: dict, args: tuple) -> Any:
         """What the jitted program traces: plan, checks, then the program."""
@@ -298,7 +306,7 @@ class XmapFunction:
             raise NxopsError(
                 f"axis_sizes={self._axis_sizes!r} gives the size of "
                 f"{', '.join(map(repr, unused))}, which no in_axes or out_axes names "
-                f"(in_axes={_quote(self._user_in_axes)}, out_axes={_quote(self._user_out_axes)}) "
+                f"(in_axes={quote(self._user_in_axes)}, out_axes={quote(self._user_out_axes)}) "
                 f"and no collective or named op of the body uses. Remove it, or check the "
                 f"spelling of the names.")
 
@@ -316,10 +324,10 @@ class XmapFunction:
             constants = explicit_mesh_constants(
                 closed_over_constants(self._fun, plan, tree, leaves, flat_specs))
             if not constants:
-                if nested and _closing_over_explicit(e):
-                    raise _nested_closure_error(plan) from e
-                if _mixing_mesh_types(e):
-                    raise _closed_over_tracer_error(plan) from e
+                if nested and closing_over_explicit(e):
+                    raise nested_closure_error(plan) from e
+                if mixing_mesh_types(e):
+                    raise closed_over_tracer_error(plan) from e
                 raise
         with pinned_constants(constants):
             try:
@@ -327,7 +335,7 @@ class XmapFunction:
             except NxopsError:
                 raise
             except Exception as e:
-                raise _closed_over_error(constants, plan) from e
+                raise closed_over_error(constants, plan) from e
 
     def _plan(self, args: tuple, mesh: Mesh | None,
               resources: dict) -> tuple[Plan, list[AxisSpec]]:
@@ -421,25 +429,6 @@ class XmapFunction:
                 for shape, spec in zip(shapes, flat_specs)], on_mesh
 
 
-def _missing_out_names_error(missing: list, defined: list, in_axes: Any,
-                             out_axes: Any) -> NxopsError:
-    """out_axes names no input or axis_sizes defines: likely misspelled when
-    close to a defined name, else a broadcast result that needs its size."""
-    spelled = {n: difflib.get_close_matches(str(n), map(str, defined), n=1) for n in missing}
-    if any(spelled.values()):
-        guesses = "; ".join(f"did you mean {close[0]!r} for {name!r}?" if close
-                            else f"{name!r} is like no input name"
-                            for name, close in spelled.items())
-        return NxopsError(
-            f"out_axes={_quote(out_axes)} names {', '.join(map(repr, missing))}, which "
-            f"in_axes={_quote(in_axes)} does not: {guesses} Fix the spelling; a result "
-            f"broadcast along a new name needs its size in axis_sizes={{name: size}}.")
-    return NxopsError(
-        f"All axis names appearing in out_axes must also appear in in_axes or "
-        f"axis_sizes, but the following are missing: {', '.join(map(repr, missing))} "
-        f"(out_axes={_quote(out_axes)}). Give their sizes with axis_sizes={{name: size}}.")
-
-
 def _full_rank(sharding: NamedSharding, ndim: int) -> NamedSharding:
     """``sharding`` with its spec padded to ``ndim`` entries: jit returns
     results with full-rank specs, and ``P('mp')`` differs from ``P('mp', None)``
@@ -485,50 +474,6 @@ def _present(backend: str) -> str:
     return backend
 
 
-def _closed_over_error(constants: list, plan: Plan) -> NxopsError:
-    shown = ", ".join(f"{c.dtype}{list(c.shape)}" for c in constants)
-    return NxopsError(
-        f"The xmapped function closes over arrays made under a mesh with Explicit axes "
-        f"({shown}) and uses them where JAX cannot inside the shard_map over mesh axes "
-        f"{plan.mesh_axes}: values typed on the all-Explicit mesh do not mix with the "
-        f"body's partly Manual one (jax-ml/jax#29162). Pass them to the xmapped function "
-        f"as arguments (in_axes [...] replicates one), or make them outside jax.set_mesh.")
-
-
-def _closing_over_explicit(error: Exception) -> bool:
-    """Whether ``error`` is JAX's refusal to close over a value typed on Explicit
-    mesh axes inside a shard_map."""
-    return isinstance(error, NotImplementedError) and "Closing over inputs to shard_map" in str(error)
-
-
-def _mixing_mesh_types(error: Exception) -> bool:
-    """Whether ``error`` is JAX's refusal to mix a value typed on the all-Explicit
-    mesh (a tracer of an enclosing jax.jit or jax.vmap) with the body's values."""
-    return isinstance(error, ValueError) and "should match the aval mesh" in str(error)
-
-
-def _closed_over_tracer_error(plan: Plan) -> NxopsError:
-    return NxopsError(
-        f"The xmapped function closes over a value traced outside it (by an enclosing "
-        f"jax.jit, jax.vmap or jax.grad) and typed on the mesh with Explicit axes, and uses "
-        f"it inside the shard_map over mesh axes {plan.mesh_axes}, where JAX "
-        f"{jax.__version__} cannot mix it with the body's values (their mesh axes are "
-        f"Manual there). Pass the value to the xmapped function as an argument instead "
-        f"(in_axes [...] gives every position the same value), or map the names to no "
-        f"mesh axis.")
-
-
-def _nested_closure_error(plan: Plan) -> NxopsError:
-    return NxopsError(
-        f"This nested xmap maps its names to mesh axes {plan.mesh_axes}, which the enclosing "
-        f"xmap leaves to JAX (Explicit axes), and its body closes over a value of the "
-        f"enclosing body: JAX {jax.__version__} cannot close over such a value inside the "
-        f"nested xmap's shard_map (NotImplementedError: 'Closing over inputs to shard_map "
-        f"where the input is sharded on Explicit axes'). Pass the value to the nested xmap "
-        f"as an argument instead (in_axes [...] gives every position the same value), or map "
-        f"the nested names to no mesh axis.")
-
-
 def _unsharded_type(x):
     """A nested xmap's result, typed replicated over the mesh axes its type is
     sharded on: the enclosing body sees values, whatever the placement (typed
@@ -537,83 +482,6 @@ def _unsharded_type(x):
     if all(entry is None for entry in spec):
         return x
     return jax.sharding.reshard(x, PartitionSpec(*[None] * x.ndim))
-
-
-class _UnderMesh:
-    """A jitted program called under ``jax.set_mesh`` (for the legacy ``with mesh:``)."""
-
-    def __init__(self, mesh: Mesh, jitted):
-        self._mesh, self._jitted = mesh, jitted
-
-    def __call__(self, *args):
-        if not _jax_core.trace_state_clean():   # inside jax.jit: set_mesh is refused there
-            return self._jitted(*args)
-        with jax.set_mesh(self._mesh):
-            return self._jitted(*args)
-
-    def lower(self, *args):
-        with jax.set_mesh(self._mesh):
-            return self._jitted.lower(*args)
-
-
-class _OffMesh:
-    """A program whose resources name no mesh axis, called under a mesh.
-
-    jit under ``jax.set_mesh`` partitions over the whole mesh, so every device
-    would compute everything. The old xmap ran such a program on one device;
-    so does this: the mesh is unset around the call and the inputs moved to the
-    mesh's first device. The results are then replicated over the mesh, as they
-    were (so they mix with other arrays on the mesh). Inside a trace (an
-    enclosing jit or xmap) the enclosing program decides. If a nested xmap
-    uses mesh axes (``NeedsMesh``), or the program does not build off the mesh
-    (e.g. the body closes over an array typed for the mesh: a key made under
-    ``jax.set_mesh``), it runs on the mesh after all, as before.
-    """
-
-    def __init__(self, mesh: Mesh, jitted, on_mesh):
-        self._mesh, self._jitted, self._on_mesh = mesh, jitted, on_mesh
-        # A sharding, not a device: device_put(x, device) keeps a mesh-typed
-        # aval (the array then does not jit off the mesh); this drops it.
-        self._one_device = SingleDeviceSharding(mesh.devices.flat[0])
-        self._needs_mesh = False
-
-    def __call__(self, *args):
-        if self._needs_mesh or not _jax_core.trace_state_clean():
-            return self._on_mesh(*args)
-        results = self._try_off_mesh(self._jitted, args)
-        if results is None:
-            return self._on_mesh(*args)
-        replicated = NamedSharding(self._mesh, PartitionSpec())
-        return jax.tree.map(lambda x: jax.device_put(x, replicated), results)
-
-    def lower(self, *args):
-        lowered = None if self._needs_mesh else self._try_off_mesh(self._jitted.lower, args)
-        return self._on_mesh.lower(*args) if lowered is None else lowered
-
-    def _try_off_mesh(self, fn, args):
-        """``fn`` off the mesh, or None (from now on) where that cannot work."""
-        try:
-            with jax.set_mesh(None), off_mesh(self._mesh):
-                return fn(*self._on_one_device(args))
-        except NxopsError:
-            raise   # the user's error, wherever the program runs
-        except Exception:  # noqa: BLE001 - NeedsMesh, or mesh-typed closed-over arrays
-            # On the mesh the program either works, or reports its own error.
-            self._needs_mesh = True
-            return None
-
-    def _on_one_device(self, args: tuple) -> tuple:
-        def move(x):
-            if isinstance(x, _ArrayImpl) and x.sharding != self._one_device:
-                return jax.device_put(x, self._one_device)
-            return x
-        return jax.tree.map(move, args)
-
-
-def _names_mesh_axes(resources: dict, mesh: Mesh) -> bool:
-    """Whether some resource is an axis of ``mesh``."""
-    return any(r in mesh.axis_names for rs in resources.values() for r in rs
-               if isinstance(r, str))
 
 
 # fun -> {definition: {context: jitted}}. Two nx.xmap objects built from the
@@ -639,51 +507,6 @@ def _shared_jits(fun: Callable, definition: tuple) -> dict:
 def _as_array(x: Any) -> Any:
     """An argument as jax.jit passes it on (Python scalars weakly typed)."""
     return x if isinstance(x, jax.Array) else jax.numpy.asarray(x)
-
-
-def _quote(spec: Any) -> str:
-    return repr(spec).replace("Ellipsis", "...")
-
-
-def _non_array_argument_error(args: tuple) -> NxopsError | None:
-    """The error for an argument that is not an array (a str, an object), if any."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path(args)[0]:
-        try:
-            jax.typeof(leaf)
-        except TypeError:
-            return NxopsError(
-                f"xmap argument args{jax.tree_util.keystr(path)} is of type {type(leaf).__name__} "
-                f"({leaf!r:.60}), not an array: xmapped functions take arrays, scalars "
-                f"and pytrees of them. Close over other values (functools.partial or a "
-                f"lambda) instead of passing them.")
-    return None
-
-
-def _explained_value_error(error: ValueError, args: tuple) -> NxopsError | None:
-    """What a ValueError of JAX's means for this call, when nxops knows."""
-    if isinstance(error, NxopsError):
-        return None
-    if spmd_axis_names() and "verifier errors" in str(error):
-        return NxopsError(
-            f"JAX {jax.__version__} cannot lower this xmap under jax.vmap(..., "
-            f"spmd_axis_name={sorted(spmd_axis_names())}): its shard_map batching rule "
-            "builds a manual computation whose shapes do not match (a JAX bug; JAX "
-            "0.10.2 lowers it). Map the vmapped dimension as a named axis of the xmap "
-            "instead (in_axes/out_axes with axis_resources on that mesh axis).")
-    if jax.process_count() > 1 and _process_local_inputs(args):
-        return NxopsError(
-            "In a program over several processes, every nx.xmap input must be a global "
-            "jax.Array on the mesh, but some inputs live on this process's devices only. "
-            "Build them with jax.make_array_from_process_local_data(sharding, local_data) "
-            "or jax.make_array_from_callback(shape, sharding, callback), with sharding = "
-            "NamedSharding(mesh, PartitionSpec(...)).")
-    return None
-
-
-def _process_local_inputs(args: tuple) -> bool:
-    """Whether some committed input lives on this process's devices only."""
-    return any(isinstance(x, _ArrayImpl) and x.committed and x.is_fully_addressable
-               for x in jax.tree.leaves(args))
 
 
 def _committed_elsewhere(args: tuple) -> bool:
