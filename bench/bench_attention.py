@@ -34,13 +34,13 @@ if __name__ == "__main__":   # the ring's figure needs 8 CPU devices (pytest: be
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                " --xla_force_host_platform_device_count=8").strip()
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
 
-import nxops as nx  # noqa: E402
-from tests._tolerances import assert_close  # noqa: E402
+import nxops as nx
+from tests._tolerances import assert_close
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +82,7 @@ def materialized(q, k, v, causal):
 
 def jax_dot_product(q, k, v, causal):
     """jax.nn.dot_product_attention (layout [batch, tokens, heads, head_dim])."""
-    swap = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+    swap = lambda x: jnp.swapaxes(x, 1, 2)
     return swap(jax.nn.dot_product_attention(swap(q), swap(k), swap(v), is_causal=causal,
                                              implementation="xla"))
 
@@ -213,7 +213,7 @@ def layer_step(attention: str, size: LayerSize):
         f, g = fg_operators(nx.psum, "s")
         return gptj_layer(params, x, f, g, size.head_dim, attend)
     layer = nx.xmap(body, (GPTJ_AXES, ["b", ...]), ["b", ...])
-    loss = lambda params, x: jnp.mean(layer(params, x).astype(jnp.float32) ** 2)  # noqa: E731
+    loss = lambda params, x: jnp.mean(layer(params, x).astype(jnp.float32) ** 2)
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
 
@@ -339,7 +339,7 @@ def ring_steps(size: Size, rounds: int = 5) -> dict[str, float]:
                              q, k, v, seq="s", q_seq="qs", causal=causal, sequence_layout=layout),
                          [["b", "h", "qs", None], ["b", "h", "s", None], ["b", "h", "s", None]],
                          ["b", "h", "qs", None], axis_resources={"qs": "d", "s": "d"})
-        ring = lambda q, k, v, causal, attend=attend: attend(q, k, v)  # noqa: E731
+        ring = lambda q, k, v, causal, attend=attend: attend(q, k, v)
         programs[f"forward {name}"] = jax.jit(lambda q, k, v, r=ring, c=causal: r(q, k, v, c))
         programs[f"value_and_grad {name}"] = jax.jit(jax.value_and_grad(
             loss_of(ring, causal), argnums=(0, 1, 2)))
@@ -434,7 +434,7 @@ GPU_SIZE = Size(16, 8192, 128, "bfloat16")
 
 def cudnn_dot_product(q, k, v, causal):
     """jax.nn.dot_product_attention with cuDNN's fused flash attention."""
-    swap = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+    swap = lambda x: jnp.swapaxes(x, 1, 2)
     return swap(jax.nn.dot_product_attention(swap(q), swap(k), swap(v), is_causal=causal,
                                              implementation="cudnn"))
 

@@ -43,15 +43,15 @@ if __name__ == "__main__" and ("--speed" not in sys.argv[1:] or "--memory" in sy
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                " --xla_force_host_platform_device_count=8").strip()
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-import nxops as nx  # noqa: E402
-from tests._tolerances import assert_close  # noqa: E402
-from nxops.measure._cases import unfused_loss  # noqa: E402
+import nxops as nx
+from tests._tolerances import assert_close
+from nxops.measure._cases import unfused_loss
 
 
 @dataclasses.dataclass(frozen=True)

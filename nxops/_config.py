@@ -47,7 +47,7 @@ def parse_flag(value: Any, name: str) -> bool:
 
 def _validate_kernels(value: Any) -> None:
     # The parser lives with the selection, whose package imports this module.
-    from nxops.kernels._selection import parse_selection  # noqa: PLC0415
+    from nxops.kernels._selection import parse_selection
     parse_selection(value)
 
 

@@ -39,7 +39,7 @@ def gptj_params(key, *, shards, model, heads, head_dim, ffn, dtype=jnp.float32):
     """One layer's weights, each shard's heads and MLP columns along a leading dim."""
     local = heads // shards
     k = jax.random.split(key, 4)
-    normal = lambda key, shape, fan_in: (jax.random.normal(key, shape) / fan_in**0.5  # noqa: E731
+    normal = lambda key, shape, fan_in: (jax.random.normal(key, shape) / fan_in**0.5
                                          ).astype(dtype)
     return {"ln": jnp.ones((model,), dtype),
             "qkv": normal(k[0], (shards, model, 3 * local * head_dim), model),
@@ -71,7 +71,7 @@ def fused_attention(q, k, v, seq=None):
     """The same with ``nx.attention`` (the scores never held)."""
     if seq is not None:
         return nx.attention(q, k, v, seq=seq, q_seq=seq, causal=True)
-    heads_first = lambda x: jnp.swapaxes(x, 0, 1)  # noqa: E731
+    heads_first = lambda x: jnp.swapaxes(x, 0, 1)
     return heads_first(nx.attention(heads_first(q), k, v, seq=0, q_seq=1, causal=True))
 
 

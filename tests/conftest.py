@@ -10,9 +10,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["NXOPS_MEASURED_DIR"] = tempfile.mkdtemp(prefix="nxops-tests-measured-")
 
 
-import contextlib  # noqa: E402
+import contextlib
 
-import pytest  # noqa: E402
+import pytest
 
 
 @pytest.fixture

@@ -68,7 +68,7 @@ def test_runs_on_a_2x4_mesh_and_keeps_the_plans_shardings(ran):
 def test_the_step_compiled_once_and_more_steps_compile_nothing(ran):
     assert ran["step"]._cache_size() == 1
     compiles = []
-    listener = lambda event, duration, **kw: compiles.append(event) if "compile" in event else None  # noqa: E731
+    listener = lambda event, duration, **kw: compiles.append(event) if "compile" in event else None
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         with jax.set_mesh(ran["mesh"]):

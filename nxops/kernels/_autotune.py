@@ -61,7 +61,7 @@ def suppressed() -> Iterator[None]:
 
 
 def _is_local_gpu(device) -> bool:
-    import jax  # noqa: PLC0415
+    import jax
     try:
         return device in jax.local_devices(backend="gpu")
     except RuntimeError:   # no GPU backend: a deviceless (topology) device
@@ -82,7 +82,7 @@ def gpu_kind() -> str:
 
 def cache_path(kind: str) -> pathlib.Path:
     """The cache file of one GPU kind and this nxops version."""
-    import nxops  # noqa: PLC0415
+    import nxops
     directory = _config.autotune_cache()
     name = "".join(c if c.isalnum() else "_" for c in kind)
     return directory / f"{name}-nxops-{nxops.__version__}.json"
@@ -138,10 +138,10 @@ def time_on_device(op: str, backend: str, avals: Sequence[Any], params: dict) ->
     """Seconds per call of ``backend``'s kernel on random operands of ``avals``
     on the default GPU: the best of a few samples, each of queued calls (a
     single call's wall clock would measure dispatch)."""
-    import functools  # noqa: PLC0415
-    import jax  # noqa: PLC0415
-    import numpy as np  # noqa: PLC0415
-    from nxops.kernels import _registry  # noqa: PLC0415
+    import functools
+    import jax
+    import numpy as np
+    from nxops.kernels import _registry
 
     rng = np.random.default_rng(0)
     args = [jax.device_put(rng.standard_normal(a.shape).astype(a.dtype)

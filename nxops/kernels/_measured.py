@@ -83,7 +83,7 @@ def _nbytes(aval) -> int:
 def reduce_layout(shape: Sequence[int], axes: Sequence[int]) -> str:
     """rows (trailing axes reduced), columns (a middle block), all, or other
     (reduced axes not contiguous: the kernels permute first)."""
-    from nxops.kernels._layout import canonical_view  # noqa: PLC0415
+    from nxops.kernels._layout import canonical_view
     shape = tuple(shape)
     axes = tuple(sorted(a % len(shape) for a in axes)) if shape else ()
     if shape and len(axes) == len(shape):
@@ -98,7 +98,7 @@ def _matmul_layout(a, b, dimension_numbers) -> str:
     """matmul, batched, skinny (a free side of at most 128) or odd (a size
     not a multiple of 128: XLA pads or picks other cuBLAS kernels)."""
     (a_contract, b_contract), (a_batch, b_batch) = dimension_numbers
-    free = lambda shape, skip: math.prod(d for i, d in enumerate(shape) if i not in skip)  # noqa: E731
+    free = lambda shape, skip: math.prod(d for i, d in enumerate(shape) if i not in skip)
     m = free(a.shape, (*a_contract, *a_batch))
     n = free(b.shape, (*b_contract, *b_batch))
     k = math.prod(a.shape[i] for i in a_contract)
@@ -330,7 +330,7 @@ def verdict_for_target(op: str, avals: Sequence[Any], params: Mapping[str, Any],
                        kernels: Mapping[str, Any]) -> Verdict:
     """``verdict`` for the GPU the op is being lowered for (its architecture's
     tables: this machine's, ``NXOPS_MEASURED_DIR``, then the shipped one)."""
-    from nxops import _config  # noqa: PLC0415
-    from nxops.kernels import _gpu_target  # noqa: PLC0415  (imports jax's device state)
+    from nxops import _config
+    from nxops.kernels import _gpu_target
     arch = arch_name(_gpu_target.compute_capability())
     return verdict(case_of(op, avals, params), arch, kernels, str(_config.measured_dir()))

@@ -6,8 +6,9 @@ Section ``programs``: small whole programs around the ops (epilogues, fused
 producers, gradients, an xmapped MLP with a cross-entropy over 'classes').
 Section ``cross_entropy``: ``nx.cross_entropy``'s value and gradient beside
 the unfused program it replaces. Section ``attention``: ``nx.attention``'s
-forward and value_and_grad (xla, pallas and, where it can take the call, cuDNN). Where a name gives no shape (programs), the
-shapes here are reconstructions, said in each case's ``note``.
+forward and value_and_grad (xla, pallas and, where it can take the call,
+cuDNN). Where a name gives no shape (programs), the shapes here are
+reconstructions, said in each case's ``note``.
 
 ``scale`` divides every size (at least 8 is kept): ``--dry`` runs them on CPU
 at ``scale=64``.

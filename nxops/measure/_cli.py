@@ -144,7 +144,7 @@ def _from_run(args) -> int:
 
 
 def _show(args) -> int:
-    from nxops.kernels import _gpu_target, _measured  # noqa: PLC0415
+    from nxops.kernels import _gpu_target, _measured
     arch = _measured.arch_name(_gpu_target.compute_capability())
     print(_table.what_auto_takes(arch, args.table_dir or _config.measured_dir()))
     print(_table.what_auto_takes(arch))

@@ -162,7 +162,7 @@ def time_case(case: gpu_cases.GpuCase, backends, calls: int, fake: bool = False)
 def device_fields(fake: bool) -> dict:
     """The device a run's lines name: with ``fake``, a GPU of the default
     target's architecture (the one a deviceless ``explain`` reads)."""
-    from nxops.kernels import _gpu_target  # noqa: PLC0415
+    from nxops.kernels import _gpu_target
     if fake:
         return {"device": FAKE_DEVICE, "compute_capability": _gpu_target.DEFAULT_COMPUTE_CAPABILITY}
     device = jax.devices()[0]
@@ -185,9 +185,10 @@ def report(lines: list[dict]) -> str:
                 return "–"
             return f"{line['kern_us'] / xla:.2f}"
         correct = all(l.get("correct", True) for l in by.values())
-        rows.append(f"| {section}/{name} | {xla if xla is None else f'{xla:.1f}'} | {ratio('pallas')} "
-                    f"| {ratio('triton')} | {ratio('cudnn')} | {ratio('auto')} | {by.get('auto', {}).get('chosen', '–')} "
-                    f"| {'yes' if correct else '**no**'} |")
+        chosen = by.get("auto", {}).get("chosen", "–")
+        rows.append(f"| {section}/{name} | {xla if xla is None else f'{xla:.1f}'} "
+                    f"| {ratio('pallas')} | {ratio('triton')} | {ratio('cudnn')} | {ratio('auto')} "
+                    f"| {chosen} | {'yes' if correct else '**no**'} |")
     return "\n".join(rows) + "\n"
 
 
@@ -195,9 +196,11 @@ def summary(lines: list[dict]) -> str:
     """The short table a run prints last: how many cases ran and were
     correct, and every case where a kernel measured <= THRESHOLD of XLA."""
     xla = {(l["section"], l["case"]): l["kern_us"] for l in lines if l["backend"] == "xla"}
-    wins = [(l["section"], l["case"], l["backend"], l["kern_us"] / xla[(l["section"], l["case"])])
-            for l in lines if l["backend"] in ("pallas", "triton", "cudnn") and xla.get((l["section"], l["case"]))
-            and l["kern_us"] / xla[(l["section"], l["case"])] <= _measured.THRESHOLD]
+    def ratio(l):
+        return l["kern_us"] / xla[(l["section"], l["case"])]
+    wins = [(l["section"], l["case"], l["backend"], ratio(l)) for l in lines
+            if l["backend"] in ("pallas", "triton", "cudnn") and xla.get((l["section"], l["case"]))
+            and ratio(l) <= _measured.THRESHOLD]
     wrong = sorted({f"{l['section']}/{l['case']} {l['backend']}" for l in lines if not l["correct"]})
     text = [f"{len(xla)} cases timed; incorrect: {', '.join(wrong) or 'none'}",
             f"kernels at <= {_measured.THRESHOLD}x XLA:", "| case | backend | /xla |", "|---|---|---|"]

@@ -16,6 +16,6 @@ __all__ = [
 ]
 
 # A user error's traceback ends at the user's line (nxops/_traceback.py).
-from nxops._traceback import mark_boundaries  # noqa: E402
+from nxops._traceback import mark_boundaries
 
 mark_boundaries(globals(), __all__)

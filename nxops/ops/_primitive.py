@@ -109,7 +109,7 @@ def _producer(value) -> str:
             if op.name not in _VIEWS:
                 return op.name
             value = op.operands[0]
-    except Exception:  # noqa: BLE001 - an IR shape we do not know: say so, and auto keeps XLA
+    except Exception:
         return UNKNOWN
     return UNKNOWN
 
@@ -191,7 +191,7 @@ def match_varying(*xs):
 def _abstract_eval_many(reference, avals, items, x64: bool):
     del x64   # a cache key only (see _abstract_eval_cached)
     params = dict(items)
-    fn = lambda *args: list(reference(*args, **params))  # noqa: E731
+    fn = lambda *args: list(reference(*args, **params))
     info = api_util.debug_info("nxops abstract eval", reference, avals, {})
     return pe.abstract_eval_fun(fn, *avals, debug_info=info)
 

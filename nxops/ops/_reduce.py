@@ -402,7 +402,7 @@ def reduce(x, axis, op: str, *, public_name: str | None = None):
     return _reduce_resolved(x, *resolved, op)
 
 
-def sum(x: ArrayLike, axis: Axis) -> jax.Array:  # noqa: A001 - mirrors jnp.sum
+def sum(x: ArrayLike, axis: Axis) -> jax.Array:
     """Sum of ``x`` over ``axis``: an int, a name, or a tuple mixing both.
 
     Examples:
@@ -416,7 +416,7 @@ def sum(x: ArrayLike, axis: Axis) -> jax.Array:  # noqa: A001 - mirrors jnp.sum
     return reduce(x, axis, "sum")
 
 
-def max(x: ArrayLike, axis: Axis) -> jax.Array:  # noqa: A001
+def max(x: ArrayLike, axis: Axis) -> jax.Array:
     """Maximum of ``x`` over ``axis`` (ints and/or names).
 
     Examples:
@@ -427,7 +427,7 @@ def max(x: ArrayLike, axis: Axis) -> jax.Array:  # noqa: A001
     return reduce(x, axis, "max")
 
 
-def min(x: ArrayLike, axis: Axis) -> jax.Array:  # noqa: A001
+def min(x: ArrayLike, axis: Axis) -> jax.Array:
     """Minimum of ``x`` over ``axis`` (ints and/or names).
 
     Examples:

@@ -6,6 +6,6 @@ from nxops.xmap._xmap import XmapFunction, xmap
 __all__ = ["SerialLoop", "XmapFunction", "axis_rules", "serial_loop", "xmap"]
 
 # A user error's traceback ends at the user's line (nxops/_traceback.py).
-from nxops._traceback import mark_boundaries  # noqa: E402
+from nxops._traceback import mark_boundaries
 
 mark_boundaries(globals(), ["axis_rules", "serial_loop", "xmap"])

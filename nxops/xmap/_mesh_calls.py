@@ -92,7 +92,7 @@ class OffMesh:
                 return fn(*self._on_one_device(args))
         except NxopsError:
             raise   # the user's error, wherever the program runs
-        except Exception:  # noqa: BLE001 - NeedsMesh, or mesh-typed closed-over arrays
+        except Exception:
             # On the mesh the program either works, or reports its own error.
             self._needs_mesh = True
             return None

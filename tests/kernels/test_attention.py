@@ -162,8 +162,8 @@ def test_vmap_of_grad_gives_each_member_its_own_gradient():
 
 
 def test_declines_what_it_cannot_take():
-    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
-    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
     fine = (f32(2, 8, 64), f32(2, 8, 64), f32(2, 8, 64), i32(2, 8), i32(2, 8))
     assert pallas_attention.not_supported_reasons(*fine, platform="cuda") == []
     wide = (f32(2, 8, 512), f32(2, 8, 512), f32(2, 8, 64), i32(2, 8), i32(2, 8))

@@ -72,7 +72,7 @@ def test_one_entry_decides_the_forward_and_the_backward(tmp_path, nxops_config):
 
 # --- cuDNN: which calls its documented constraints let it take ------------------
 
-from nxops.kernels.cudnn import attention as cudnn_attention  # noqa: E402
+from nxops.kernels.cudnn import attention as cudnn_attention
 
 I32 = jnp.int32
 

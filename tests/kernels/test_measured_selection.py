@@ -98,7 +98,7 @@ def test_an_edited_kernel_makes_only_its_own_entries_stale(monkeypatch, measured
     if reason := missing_extra("triton", "triton", "jax_triton"):
         pytest.skip(reason)   # the case falls back to the measured triton kernel
     x = jax.ShapeDtypeStruct((4096, 4096), jnp.float32)
-    fn = lambda x: nx.logsumexp(x, 0)  # noqa: E731   (pallas 0.66x, triton 0.74x measured)
+    fn = lambda x: nx.logsumexp(x, 0)
     assert "pallas" in str(nx.kernels.explain(fn, x, platform="cuda").reports[0].choice.kernel.name)
     measured = _measured.kernel_version
     monkeypatch.setattr(_measured, "kernel_version",
@@ -134,7 +134,7 @@ def test_a_kernel_version_covers_the_files_it_imports_and_nothing_else():
         "nxops.kernels.triton.reduce": "from nxops.kernels._registry import Kernel\n",
         "nxops.kernels._registry": "SELECTION = 1\n",
     }
-    version = lambda m, s: _measured.version_of_module(m, s.get)  # noqa: E731
+    version = lambda m, s: _measured.version_of_module(m, s.get)
     before = {m: version(m, sources) for m in ("nxops.kernels.pallas.reduce",
                                                "nxops.kernels.triton.reduce")}
     edited = dict(sources, **{"nxops.kernels.pallas._lse": "ONE_PASS = True\n"})
@@ -212,7 +212,7 @@ def autotune_with_a_fake_gpu(tmp_path, monkeypatch, nxops_config):
 
 def test_autotune_runs_only_for_a_real_local_gpu(autotune_with_a_fake_gpu, monkeypatch):
     x = np.ones((64, 32), np.float32)
-    lower = lambda: jax.jit(_fn).trace(x).lower(lowering_platforms=("cuda",))  # noqa: E731
+    lower = lambda: jax.jit(_fn).trace(x).lower(lowering_platforms=("cuda",))
     assert not _autotune._is_local_gpu(jax.devices("cpu")[0])
     monkeypatch.setattr(_autotune, "_is_local_gpu", lambda device: False)
     with _reports.collect_reports() as deviceless:

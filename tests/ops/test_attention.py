@@ -312,10 +312,10 @@ def test_ring_bf16_matches_one_device():
     """bf16 over a ring of 4 devices: the loss and dq, dk, dv as the same xmap's
     on one device (the ring accumulates dk, dv in f32 across its shards)."""
     (q, k, v), _ = operands((2, 3, 24, 8), (2, 3, 24, 8), 8, jnp.bfloat16, 9)
-    body = lambda q, k, v: nx.attention(q, k, v, seq="s", q_seq="qs", causal=True, block=5)  # noqa: E731
+    body = lambda q, k, v: nx.attention(q, k, v, seq="s", q_seq="qs", causal=True, block=5)
 
     def loss(resources):
-        spec = lambda name: ["b", "h", name, None]  # noqa: E731
+        spec = lambda name: ["b", "h", name, None]
         attend = nx.xmap(body, [spec("qs"), spec("s"), spec("s")], spec("qs"),
                          axis_resources=resources)
         return lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32) ** 2)
@@ -341,7 +341,7 @@ def test_ring_holds_a_fraction_of_one_device_program():
     shape = (1, 16, 8192, 128)
 
     def temp(devices, resources):
-        body = lambda q, k, v: nx.attention(q, k, v, seq="s", q_seq="qs", causal=True)  # noqa: E731
+        body = lambda q, k, v: nx.attention(q, k, v, seq="s", q_seq="qs", causal=True)
         attend = nx.xmap(body, [["b", "h", "qs", None], ["b", "h", "s", None],
                                 ["b", "h", "s", None]], ["b", "h", "qs", None],
                          axis_resources=resources)
@@ -350,7 +350,7 @@ def test_ring_holds_a_fraction_of_one_device_program():
         spec = jax.sharding.PartitionSpec(None, None, "d" if resources else None)
         struct = jax.ShapeDtypeStruct(shape, jnp.bfloat16,
                                       sharding=jax.sharding.NamedSharding(mesh, spec))
-        loss = lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32) ** 2)  # noqa: E731
+        loss = lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32) ** 2)
         with jax.set_mesh(mesh):
             compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(
                 struct, struct, struct).lower().compile()
@@ -397,12 +397,12 @@ def test_causal_ring_work_is_balanced_in_a_zigzag_or_striped_layout(monkeypatch,
     (q, k, v), rng = operands((2, tokens, 4), (2, tokens, 4), 3, jnp.float32, 12)
     c = jnp.asarray(rng.standard_normal((2, tokens, 3)), jnp.float32)
     order = np.arange(tokens) if layout is None else layout.order(tokens)
-    body = lambda q, k, v: nx.attention(q, k, v, seq="s", q_seq="s", causal=True, block=2,  # noqa: E731
+    body = lambda q, k, v: nx.attention(q, k, v, seq="s", q_seq="s", causal=True, block=2,
                                         sequence_layout=layout)
     ring = nx.xmap(body, [["h", "s", None]] * 3, ["h", "s", None], axis_resources={"s": "d"})
     mesh = jax.make_mesh((n,), ("d",), devices=jax.devices()[:n], axis_types=(AxisType.Explicit,))
     stored = tuple(jnp.asarray(np.asarray(x)[:, order]) for x in (q, k, v, c))
-    loss = lambda q, k, v, c: jnp.sum(ring(q, k, v) * c)  # noqa: E731
+    loss = lambda q, k, v, c: jnp.sum(ring(q, k, v) * c)
     with jax.set_mesh(mesh):
         forward = computed_block_pairs(monkeypatch, layout, lambda: jax.jit(ring)(*stored[:3]),
                                        n, tokens)
@@ -472,7 +472,7 @@ def test_key_bias_with_one_sequence_name_gathers_the_keys(resources):
     values and gradients (the bias's too) are the positional program's."""
     (q, k, v), rng = operands((2, 12, 4), (2, 12, 4), 3, jnp.float32, 6)
     bias = jnp.asarray(rng.standard_normal((2, 12)), jnp.float32)
-    body = lambda q, k, v, b: nx.attention(q, k, v, seq="seq", q_seq="seq", causal=True,  # noqa: E731
+    body = lambda q, k, v, b: nx.attention(q, k, v, seq="seq", q_seq="seq", causal=True,
                                            bias=b, block=5, return_lse=True)
     spec = ["b", "seq", None]
     xmapped = nx.xmap(body, [spec, spec, spec, ["b", "seq"]], [spec, spec[:-1]],
@@ -517,7 +517,7 @@ def test_compiled_value_and_grad_holds_no_scores():
     struct = jax.ShapeDtypeStruct((heads, tokens, d), jnp.float32)
 
     def temp(attend):
-        loss = lambda q, k, v: jnp.sum(attend(q, k, v) ** 2)  # noqa: E731
+        loss = lambda q, k, v: jnp.sum(attend(q, k, v) ** 2)
         compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(
             struct, struct, struct).compile()
         return compiled.memory_analysis().temp_size_in_bytes
@@ -566,7 +566,7 @@ def test_forward_mode_on_the_ring_matches_materialized(layout):
     rng = np.random.default_rng(13)
     tangents = tuple(jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for x in args)
     order = np.arange(T) if layout is None else layout.order(T)
-    stored = lambda xs: tuple(jnp.asarray(np.take(np.asarray(x), order, x.ndim - 2)) for x in xs)  # noqa: E731
+    stored = lambda xs: tuple(jnp.asarray(np.take(np.asarray(x), order, x.ndim - 2)) for x in xs)
     ring = nx.xmap(lambda q, k, v: nx.attention(q, k, v, seq="s", q_seq="qs", causal=True,
                                                 block=5, return_lse=True, sequence_layout=layout),
                    IN_AXES[:3], [Q_AXES, Q_AXES[:-1]], axis_resources={"qs": "y", "s": "y"})
@@ -677,7 +677,7 @@ def test_ring_gradients_inside_the_body_with_one_sequence_name(resources):
     c = jnp.asarray(rng.standard_normal((8, 2, 3)), jnp.float32)
 
     def grads(q, k, v, c):
-        loss = lambda q, k, v: jnp.sum(c * nx.attention(q, k, v, seq="t", q_seq="t",  # noqa: E731
+        loss = lambda q, k, v: jnp.sum(c * nx.attention(q, k, v, seq="t", q_seq="t",
                                                          causal=True, block=3))
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
     spec = ["t", None, None]

@@ -81,7 +81,7 @@ def test_one_all_reduce_per_extremum_as_in_the_shard_map_twin(op, dtype, transfo
         transform = "forward"
     else:
         body_nx, body_lax = _softmax_body(named, "shard"), _softmax_body(twin_op, "mp")
-    wrap = ((lambda f: f) if transform == "forward" else  # noqa: E731
+    wrap = ((lambda f: f) if transform == "forward" else
             lambda f: jax.value_and_grad(lambda v: f(v).astype(jnp.float32).sum()))
     mesh = jax.make_mesh((4,), ("mp",))
     x = (jnp.arange(4 * 16 * 8) % 7).reshape(4, 16, 8).astype(dtype)

@@ -26,17 +26,17 @@ import sys
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import collections  # noqa: E402
-import json  # noqa: E402
+import collections
+import json
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import AxisType, NamedSharding, PartitionSpec  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-import nxops as nx  # noqa: E402
-from tests.oracle import _programs as P  # noqa: E402
-from tests.oracle import test_oracle as oracle  # noqa: E402
+import nxops as nx
+from tests.oracle import _programs as P
+from tests.oracle import test_oracle as oracle
 
 # The meshes inputs are made on: (shape, axis names, axis type).
 MADE = {

@@ -246,7 +246,7 @@ def test_attention_oracle_sequence_layouts(case: Case):
             COUNTS["layout refused"] += 1
             return
         order = layout.order(case.tokens)
-        stored = lambda x, axis: jnp.asarray(np.take(x, order, axis), jnp.float32)  # noqa: E731
+        stored = lambda x, axis: jnp.asarray(np.take(x, order, axis), jnp.float32)
         args = (stored(q, 3), stored(k, 2), stored(v, 2))
         c_stored = stored(c, 3)
         if case.grad == "inside":

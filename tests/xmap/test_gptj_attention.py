@@ -120,14 +120,14 @@ def reference_layer(params, x, f_cotangent_scale=1.0):
 
 @functools.lru_cache(maxsize=None)
 def reference_outside():
-    loss = lambda p, x: jnp.mean(reference_layer(p, x, SHARDS) ** 2)  # noqa: E731
+    loss = lambda p, x: jnp.mean(reference_layer(p, x, SHARDS) ** 2)
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(*operands())
 
 
 @functools.lru_cache(maxsize=None)
 def reference_inside():
     """Each batch position's loss and gradients (a vmap of the one-example step)."""
-    loss = lambda p, x: jnp.mean(reference_layer(p, x[None])[0] ** 2)  # noqa: E731
+    loss = lambda p, x: jnp.mean(reference_layer(p, x[None])[0] ** 2)
     return jax.jit(jax.vmap(jax.value_and_grad(loss, argnums=(0, 1)), in_axes=(None, 0)))(
         *operands())
 

@@ -163,7 +163,7 @@ def _maybe(visible, compute, carry):
 def _forward_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, *refs, scale: float, causal: bool,
                     bq: int, bk: int, interpret: bool):
     bias_ref, (o_ref, lse_ref) = (refs[0], refs[1:]) if len(refs) == 3 else (None, refs)
-    (_, tq, dp), (tk, ep) = q_ref.shape, v_ref.shape[1:]
+    (_, tq, _), (tk, ep) = q_ref.shape, v_ref.shape[1:]
     i, b = pl.program_id(0), pl.program_id(1)
     rows = _Tile(i * bq, bq, tq)
     q = rows.load(q_ref, b)
@@ -280,7 +280,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, g_ref, lse_ref, rt_ref, *r
 def _dq_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, g_ref, lse_ref, rt_ref, *refs,
                scale: float, causal: bool, bq: int, bk: int, interpret: bool):
     bias_ref, dq_ref, dbias_ref = refs if len(refs) == 3 else (None, refs[0], None)
-    (_, tq, dp), (tk, ep) = q_ref.shape, v_ref.shape[1:]
+    (_, tq, dp), (tk, _) = q_ref.shape, v_ref.shape[1:]
     i, b = pl.program_id(0), pl.program_id(1)
     rows = _Tile(i * bq, bq, tq)
     q, g_o = rows.load(q_ref, b), rows.load(g_ref, b)
