@@ -149,19 +149,17 @@ _CUSTOM_RULE_PRIMITIVES = {"custom_jvp_call", "custom_vjp_call", "custom_vjp_cal
 
 class VaryingWalk:
     """Propagates, equation by equation, the logical names each variable of a
-    jaxpr varies along, and raises at the first pair sharing a resource."""
+    jaxpr varies along; ``ResourceChecks`` raises at the first pair sharing a
+    resource and at a loop whose trip count varies across a collective."""
 
     def __init__(self, logical: dict, shared: dict[frozenset, Any],
                  mesh_axes: dict[str, tuple[str, ...]] | None = None,
                  on_custom_vjp: Callable | None = None, shown: dict | None = None):
-        self._logical = logical   # physical (vmap) name -> logical name
-        # A walk in mesh axes names them in its errors by the plan's names:
-        # mesh axis -> (logical name, that name's mesh axes).
-        self._shown = shown or {}
+        self._checks = ResourceChecks(logical, shared, mesh_axes or {}, shown or {})
+        self._names, self._check = self._checks.names, self._checks.check
+        self._shared = shared
         # Called with (eqn, operand names, result names) at each custom_vjp call.
         self._on_custom_vjp = on_custom_vjp
-        self._shared = shared
-        self._mesh_axes = mesh_axes or {}   # logical name -> its mesh axes (if any)
         # Set when a cond/switch whose index varies along a name on mesh axes
         # holds a collective across those axes: without a vmap level the
         # devices would take different branches, and the collective deadlock.
@@ -271,11 +269,60 @@ class VaryingWalk:
             outs = self.run(body, body_consts + carry)
             new_carry = [c | o | pred for c, o in zip(carry, outs)]
             if new_carry == carry:
-                self._check_trip_count(pred, [cond, body], eqn)
+                self._checks.check_trip_count(pred, [cond, body], eqn)
                 return carry
             carry = new_carry
 
-    def _check_trip_count(self, pred: Names, jaxprs: list[Jaxpr], loop_eqn) -> None:
+    def _cond(self, eqn, ins):
+        index, operands = ins[0], ins[1:]
+        branches = [open_jaxpr(branch) for branch in eqn.params["branches"]]
+        results = [self.run(branch, operands) for branch in branches]
+        if self._checks.collective_spans_mesh_axes_of(index, branches):
+            self.branches_per_device = True
+        return [index.union(*per_branch) for per_branch in zip(*results)]
+
+
+class ResourceChecks:
+    """What a ``VaryingWalk`` checks against the plan: no value varies along
+    two names that share a resource, and no collective spans mesh axes along
+    which a loop's trip count (or a branch taken) varies."""
+
+    def __init__(self, logical: dict, shared: dict[frozenset, Any],
+                 mesh_axes: dict[str, tuple[str, ...]], shown: dict):
+        self._logical = logical   # physical (vmap) name -> logical name
+        self._shared = shared
+        self._mesh_axes = mesh_axes   # logical name -> its mesh axes (if any)
+        # A walk in mesh axes names them in its errors by the plan's names:
+        # mesh axis -> (logical name, that name's mesh axes).
+        self._shown = shown
+
+    def names(self, axes: Any) -> Names:
+        """The logical names of this plan among physical ``axes`` (a name or a tuple)."""
+        axes = axes if isinstance(axes, (tuple, list)) else (axes,)
+        return Names(self._logical[a] for a in axes if a in self._logical)
+
+    def check(self, names: Names, eqn, over: Names = NO_NAMES) -> None:
+        """``names``: what a result of ``eqn`` varies along, or, for a collective
+        ``over`` some names, those plus what its operand varies along."""
+        if len(names) < 2:
+            return
+        for pair, resource in self._shared.items():
+            if pair <= names:
+                a, b = sorted(pair, key=lambda n: (n not in over, n))
+                if a in over:
+                    what = (f"{eqn.primitive.name} over {a!r} takes a value that varies "
+                            f"along {b!r}")
+                else:
+                    what = f"{eqn.primitive.name} gives a value that varies along both"
+                raise NxopsError(
+                    f"Axes {a!r} and {b!r} are both mapped to the resource "
+                    f"{show_resource(resource)}, but in the xmapped function {what}"
+                    f"{_where(eqn)}. Each device (or loop step) only holds matching "
+                    f"chunks of {a!r} and {b!r}, so this would compute wrong results. Map "
+                    f"one of them to other resources (other mesh axes, or none) in "
+                    f"axis_resources (e.g. keep only {a!r} on {show_resource(resource)}).")
+
+    def check_trip_count(self, pred: Names, jaxprs: list[Jaxpr], loop_eqn) -> None:
         """Devices along the mesh axes of the names ``pred`` varies along run
         different trip counts: no collective inside may span those axes."""
         varying = {m: n for n in pred for m in self._mesh_axes.get(n, ())}
@@ -311,49 +358,18 @@ class VaryingWalk:
 
     def _communicates_over(self, eqn) -> Names:
         if eqn.primitive.name in _LAX_COLLECTIVES:
-            return self._names(eqn.params[_LAX_COLLECTIVES[eqn.primitive.name][0]])
+            return self.names(eqn.params[_LAX_COLLECTIVES[eqn.primitive.name][0]])
         named = named_axes_effect(eqn.primitive, eqn.params)
         if named is None or eqn.params.get("kind") == "tile":   # a tile is local work
             return Names()
-        return self._names(named[0])
+        return self.names(named[0])
 
-    def _cond(self, eqn, ins):
-        index, operands = ins[0], ins[1:]
-        branches = [open_jaxpr(branch) for branch in eqn.params["branches"]]
-        results = [self.run(branch, operands) for branch in branches]
+    def collective_spans_mesh_axes_of(self, index: Names, branches: list[Jaxpr]) -> bool:
+        """Whether a collective in ``branches`` spans mesh axes that ``index``
+        (a cond's) varies along: devices there take different branches."""
         varying = {m for n in index for m in self._mesh_axes.get(n, ())}
-        if varying and any(m in varying for _, names in self._collectives(branches)
-                           for n in names for m in self._mesh_axes.get(n, ())):
-            self.branches_per_device = True
-        return [index.union(*per_branch) for per_branch in zip(*results)]
-
-    # -- names and checks ----------------------------------------------------
-
-    def _names(self, axes: Any) -> Names:
-        """The logical names of this plan among physical ``axes`` (a name or a tuple)."""
-        axes = axes if isinstance(axes, (tuple, list)) else (axes,)
-        return Names(self._logical[a] for a in axes if a in self._logical)
-
-    def _check(self, names: Names, eqn, over: Names = NO_NAMES) -> None:
-        """``names``: what a result of ``eqn`` varies along, or, for a collective
-        ``over`` some names, those plus what its operand varies along."""
-        if len(names) < 2:
-            return
-        for pair, resource in self._shared.items():
-            if pair <= names:
-                a, b = sorted(pair, key=lambda n: (n not in over, n))
-                if a in over:
-                    what = (f"{eqn.primitive.name} over {a!r} takes a value that varies "
-                            f"along {b!r}")
-                else:
-                    what = f"{eqn.primitive.name} gives a value that varies along both"
-                raise NxopsError(
-                    f"Axes {a!r} and {b!r} are both mapped to the resource "
-                    f"{show_resource(resource)}, but in the xmapped function {what}"
-                    f"{_where(eqn)}. Each device (or loop step) only holds matching "
-                    f"chunks of {a!r} and {b!r}, so this would compute wrong results. Map "
-                    f"one of them to other resources (other mesh axes, or none) in "
-                    f"axis_resources (e.g. keep only {a!r} on {show_resource(resource)}).")
+        return bool(varying) and any(m in varying for _, names in self._collectives(branches)
+                                     for n in names for m in self._mesh_axes.get(n, ()))
 
 
 # jaxpr -> per output, the inputs it depends on (None: see _dependencies).
