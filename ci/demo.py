@@ -11,13 +11,13 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import nxops as nx  # noqa: E402
-from nxops import SerialLoop, xmap  # noqa: E402
-from nxops.kernels._selection import current_selection  # noqa: E402
+import nxops as nx
+from nxops import SerialLoop, xmap
+from nxops.kernels._selection import current_selection
 
 
 def named_predict(w1, w2, image):
