@@ -195,15 +195,19 @@ def test_fg_inside_a_sub_jaxpr_differentiates_outside(wrap, name, resources):
 
 # --- grad outside the xmap vs a check_vma=False shard_map twin ---------------
 # jax.value_and_grad of an f/g MLP taken outside, with x on 'b' (mesh axis dp)
-# and replicated over 's' (mesh axis mp). Its shard_map(check_vma=False) twin
-# computes other gradients, so it cannot be the xmap's HLO twin: shard_map's
-# transpose divides the replicated result's cotangent by the mp size and psums
-# the replicated x's cotangent, so g's identity bwd hands the weights 1/mp of
-# their gradients and x gets its loss gradient. nxops gives the no-resources
-# answer instead (module docstring of nxops/xmap/_custom_rules.py): the
-# weights' exact gradients and x's multiplied by the size of 's', which costs
-# two all-reduces the twin has not: summing g's result cotangent whole before
-# its bwd, and f's bwd psum of the cotangent already summed whole.
+# and replicated over 's' (mesh axis mp), as bench_first_call's fg_mlp. Its
+# shard_map(check_vma=False) twin computes other gradients, each 1/mp of
+# nxops', so it cannot be the xmap's HLO twin: shard_map's transpose divides
+# the replicated result's cotangent by mp and psums the replicated x's, so g's
+# identity bwd hands the weights 1/mp of their gradients and x gets its loss
+# gradient. (check_vma=True refuses this program: f's bwd returns an invariant
+# cotangent.) nxops gives the no-resources answer on every placement (module
+# docstring of nxops/xmap/_custom_rules.py): the weights' exact gradients and
+# x's times the size of 's'. That costs two all-reduces the twin has not:
+# summing g's result cotangent whole before its bwd (its parts are equal here,
+# but not in general: a use of g's result that varies along 's' makes them
+# differ), and f's bwd psum of the cotangent already summed whole (nx.psum of a
+# value that does not vary is still an all-reduce).
 
 
 def _all_reduces(compiled) -> int:
