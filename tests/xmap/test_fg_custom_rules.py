@@ -200,10 +200,10 @@ def test_fg_inside_a_sub_jaxpr_differentiates_outside(wrap, name, resources):
 # nxops', so it cannot be the xmap's HLO twin: shard_map's transpose divides
 # the replicated result's cotangent by mp and psums the replicated x's, so g's
 # identity bwd hands the weights 1/mp of their gradients and x gets its loss
-# gradient. (check_vma=True refuses this program: f's bwd returns an invariant
-# cotangent.) nxops gives the no-resources answer on every placement (module
-# docstring of nxops/xmap/_custom_rules.py): the weights' exact gradients and
-# x's times the size of 's'. That costs two all-reduces the twin has not:
+# gradient. (check_vma=True refuses this program: g's identity bwd returns an
+# invariant cotangent for an operand that varies.) nxops gives the no-resources
+# answer on every placement (module docstring of nxops/xmap/_custom_rules.py):
+# the weights' exact gradients and x's times the size of 's'. That costs two all-reduces the twin has not:
 # summing g's result cotangent whole before its bwd (its parts are equal here,
 # but not in general: a use of g's result that varies along 's' makes them
 # differ), and f's bwd psum of the cotangent already summed whole (nx.psum of a
