@@ -4,6 +4,7 @@ against the positional program (jax.vmap with axis_name); and a transformer
 block written with f/g compiles to no more transposes or copies than the same
 block with plain nx.psum."""
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -190,3 +191,59 @@ def test_fg_inside_a_sub_jaxpr_differentiates_outside(wrap, name, resources):
     np.testing.assert_allclose(np.asarray(got[0]), S * np.asarray(want[0]), rtol=1e-4, atol=1e-5)
     for g, w in zip(got[1:], want[1:]):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
+
+
+# --- grad outside the xmap vs a check_vma=False shard_map twin ---------------
+# jax.value_and_grad of an f/g MLP taken outside, with x on 'b' (mesh axis dp)
+# and replicated over 's' (mesh axis mp), as bench_first_call's fg_mlp. Its
+# shard_map(check_vma=False) twin computes other gradients, each 1/mp of
+# nxops', so it cannot be the xmap's HLO twin: shard_map's transpose divides
+# the replicated result's cotangent by mp and psums the replicated x's, so g's
+# identity bwd hands the weights 1/mp of their gradients and x gets its loss
+# gradient. (check_vma=True refuses this program: g's identity bwd returns an
+# invariant cotangent for an operand that varies.) nxops gives the no-resources
+# answer on every placement (module docstring of nxops/xmap/_custom_rules.py):
+# the weights' exact gradients and x's times the size of 's'. That costs two all-reduces the twin has not:
+# summing g's result cotangent whole before its bwd (its parts are equal here,
+# but not in general: a use of g's result that varies along 's' makes them
+# differ), and f's bwd psum of the cotangent already summed whole (nx.psum of a
+# value that does not vary is still an all-reduce).
+
+
+def _all_reduces(compiled) -> int:
+    return sum(1 for line in compiled.as_text().splitlines()
+               if re.search(r"= \S+ all-reduce(-start)?\(", line))
+
+
+@pytest.mark.parametrize("mp", [2, 4])
+def test_fg_grad_outside_differs_from_its_check_vma_false_twin(mp):
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    rng = np.random.default_rng(2)
+    shapes = [(2, 8, 16), (mp, 16, 12), (mp, 12, 16)]
+    args = [jnp.asarray(rng.standard_normal(s) / 4, jnp.float32) for s in shapes]
+    specs = (P("dp"), P("mp"), P("mp"))
+    body = lambda psum, axis: lambda x, w1, w2: mlp(
+        lambda v, _: psum(v, axis), True, x, w1, w2)
+    xmapped = nx.xmap(body(nx.psum, "s"), [["b", ...], ["s", ...], ["s", ...]], ["b", ...],
+                      axis_resources={"b": "dp", "s": "mp"})
+    twin = jax.shard_map(lambda x, w1, w2: body(lax.psum, "mp")(x[0], w1[0], w2[0])[None],
+                         in_specs=specs, out_specs=P("dp"), check_vma=False)
+    mesh = jax.make_mesh((2, mp), ("dp", "mp"), devices=jax.devices()[:2 * mp])
+    with jax.set_mesh(mesh):
+        placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+        steps = {argnums: [jax.jit(jax.value_and_grad(lambda *a, p=p: jnp.mean(p(*a) ** 2),
+                                                      argnums=argnums)) for p in (xmapped, twin)]
+                 for argnums in ((0, 1, 2), 0)}
+        (loss, grads), (twin_loss, twin_grads) = [s(*placed) for s in steps[0, 1, 2]]
+        # counted for the gradient of x alone, as bench_first_call's fg_mlp takes it
+        counts = [_all_reduces(s.lower(*placed).compile()) for s in steps[0]]
+    ref = _positional(functools.partial(mlp, lax.psum, False), (None, 0, 0), (0, None, None))
+    ref_grads = jax.grad(lambda *a: jnp.mean(ref(*a) ** 2), argnums=(0, 1, 2))(*args)
+    close = functools.partial(np.testing.assert_allclose, rtol=1e-4, atol=1e-6)
+    close(loss, twin_loss)
+    close(grads[0], mp * np.asarray(ref_grads[0]))        # x: times the size of 's'
+    close(twin_grads[0], ref_grads[0])
+    for g, t, r in zip(grads[1:], twin_grads[1:], ref_grads[1:]):
+        close(g, r)                                        # weights: exact
+        close(t, np.asarray(r) / mp)
+    assert counts == [counts[1] + 2, 4], counts
