@@ -291,6 +291,14 @@ def _row(row: dict) -> str:
     return f"| {row['program']} | {row['mp']} | " + " | ".join(cells) + " |"
 
 
+def _table(args, columns: str, cell) -> None:
+    """A markdown table: a row per program and mp, ``cell(program, mp)`` the rest."""
+    print(f"| program | mp | {columns} |\n|" + "---|" * (3 + columns.count("|")))
+    for program in args.programs:
+        for mp in args.mp:
+            print(f"| {program} | {mp} | {cell(program, mp)} |", flush=True)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", nargs=3, metavar=("PROGRAM", "MP", "IMPL"))
@@ -303,26 +311,21 @@ def main(argv=None) -> None:
     parser.add_argument("--calls-per-lower", type=int, metavar="ROUNDS",
                         help="only count the Python calls of one trace + lower (median of ROUNDS)")
     args = parser.parse_args(argv)
-    if args.calls_per_lower:
-        print("| program | mp | Python calls per trace + lower, xmap / twin |\n|---|---|---|")
-        for program in args.programs:
-            for mp in args.mp:
-                c = calls_per_lower(program, mp, args.calls_per_lower, args.gptj_layers)
-                print(f"| {program} | {mp} | {c['xmap']:.0f} / {c['twin']:.0f} = "
-                      f"**{c['xmap'] / c['twin']:.2f}x** |", flush=True)
-        return
     if args.worker:
         program, mp, impl = args.worker
         print(json.dumps(worker(program, int(mp), impl, args.gptj_layers)))
         return
+    if args.calls_per_lower:
+        def calls(program, mp):
+            c = calls_per_lower(program, mp, args.calls_per_lower, args.gptj_layers)
+            return f"{c['xmap']:.0f} / {c['twin']:.0f} = **{c['xmap'] / c['twin']:.2f}x**"
+        _table(args, "Python calls per trace + lower, xmap / twin", calls)
+        return
     if args.lower_in_process:
-        print("| program | mp | trace + lower, xmap / twin (medians) | median per-round ratio |\n"
-              "|---|---|---|---|")
-        for program in args.programs:
-            for mp in args.mp:
-                r = lower_ratios(program, mp, args.lower_in_process, args.gptj_layers)
-                print(f"| {program} | {mp} | {r['xmap_s']:.3f} / {r['twin_s']:.3f} s "
-                      f"| **{r['ratio']:.2f}x** |", flush=True)
+        def lower(program, mp):
+            r = lower_ratios(program, mp, args.lower_in_process, args.gptj_layers)
+            return f"{r['xmap_s']:.3f} / {r['twin_s']:.3f} s | **{r['ratio']:.2f}x**"
+        _table(args, "trace + lower, xmap / twin (medians) | median per-round ratio", lower)
         return
     print(HEADER, flush=True)
     run(args.programs, args.mp, args.rounds, args.gptj_layers)
