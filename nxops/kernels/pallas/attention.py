@@ -42,8 +42,12 @@ Registered twice: the forward as ``attention``, the backward as
 ``attention_backward`` (``nx.attention``'s gradient runs it where the
 selection takes it); called directly, :func:`attention` is differentiable
 with the backward kernels (``_vjp.with_vjp``). Not chosen by ``auto`` until
-a GPU has measured it (``kernels/measured``): select it with
+a GPU (a TPU) has measured it (``kernels/measured``): select it with
 ``NXOPS_KERNELS=attention=pallas``. On CPU it runs in interpret mode.
+
+On TPU the ``pallas`` kernels are JAX's own Pallas TPU flash attention,
+forward and backward (:mod:`nxops.kernels.pallas.attention_tpu`, which says
+why flash and not splash, and which cases it declines).
 """
 from __future__ import annotations
 
@@ -58,7 +62,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from nxops.kernels import _vjp
 from nxops.kernels._registry import Kernel, register
-from nxops.kernels.pallas import _common
+from nxops.kernels.pallas import _common, attention_tpu
 from nxops.kernels.xla import attention as reference
 
 F32 = jnp.float32
@@ -209,6 +213,8 @@ def forward(q, k, v, q_pos, k_pos, bias=None, *, scale: float, causal: bool,
             platform: str = "cuda", **params) -> jax.Array:
     """[B, Tq, E + 1] f32 as the reference (``params``: the reference's block
     size and the like, unused: the kernel tiles itself)."""
+    if platform == "tpu":
+        return attention_tpu.forward(q, k, v, q_pos, k_pos, bias, scale=scale, causal=causal)
     del params
     target = _common.target_for(platform, "triton")
     (batch, tq, d), (tk, e) = q.shape, v.shape[1:]
@@ -314,6 +320,9 @@ def backward_from_rows(q, k, v, q_pos, k_pos, bias, g_o, lse, row_term, *, scale
                        causal: bool, platform: str = "cuda"):
     """(dq, dk, dv, dbias) from ``reference.cotangent_rows``, in the dtypes of
     q, k, v (dbias f32, None without a bias)."""
+    if platform == "tpu":
+        return (*attention_tpu.backward(q, k, v, q_pos, k_pos, g_o, lse, row_term, bias,
+                                        scale=scale, causal=causal), None)
     target = _common.target_for(platform, "triton")
     (batch, tq, d), (tk, e) = q.shape, v.shape[1:]
     dp, ep = head_padding(d), head_padding(e)
@@ -374,11 +383,10 @@ def attention(q, k, v, q_pos, k_pos, bias=None, *, scale: float, causal: bool,
 
 def not_supported_reasons(q, k, v, q_pos, k_pos, bias=None, *, platform: str,
                           **params) -> list[str]:
+    if platform == "tpu":
+        return attention_tpu.not_supported_reasons(q, k, v, q_pos, k_pos, bias, **params)
     del q_pos, k_pos, params
     reasons = []
-    if platform == "tpu":
-        reasons.append("no Mosaic (TPU) version of this kernel (on TPU JAX's Pallas TPU "
-                       "flash attention would be the one to call)")
     if jnp.dtype(q.dtype) not in _common.FLOAT_DTYPES:
         reasons.append(f"dtype {q.dtype} (the kernel takes float32, bfloat16, float16)")
     if max(q.shape[-1], v.shape[-1]) > 256:
@@ -389,10 +397,10 @@ def not_supported_reasons(q, k, v, q_pos, k_pos, bias=None, *, platform: str,
 
 
 KERNEL = register(Kernel(
-    op="attention", backend="pallas", platforms=("cpu", "cuda"), fn=attention,
-    not_supported_reasons=not_supported_reasons,
-    description="Pallas (Triton) flash attention per query block with the logsumexp, global "
-                "positions, bias",
+    op="attention", backend="pallas", platforms=("cpu", "cuda", "tpu"), fn=attention,
+    not_supported_reasons=not_supported_reasons, manual_only_platforms=("tpu",),
+    description="Pallas flash attention with the logsumexp: on cuda/cpu per query block (Triton "
+                "style) with global positions and bias; on tpu JAX's Pallas TPU flash attention",
 ))
 
 
@@ -412,8 +420,10 @@ def backward_not_supported_reasons(q, k, v, q_pos, k_pos, g_o, lse, row_term, bi
 
 
 BACKWARD_KERNEL = register(Kernel(
-    op="attention_backward", backend="pallas", platforms=("cpu", "cuda"), fn=attention_backward,
-    not_supported_reasons=backward_not_supported_reasons,
-    description="Pallas (Triton) FlashAttention-2 backward: dk, dv per key block; dq (and the "
-                "bias's gradient) per query block; recomputed from the saved logsumexp",
+    op="attention_backward", backend="pallas", platforms=("cpu", "cuda", "tpu"),
+    fn=attention_backward, not_supported_reasons=backward_not_supported_reasons,
+    manual_only_platforms=("tpu",),
+    description="Pallas FlashAttention-2 backward recomputed from the saved logsumexp: dk, dv "
+                "per key block, dq (and the bias's gradient) per query block; on tpu JAX's "
+                "Pallas TPU flash attention's backward",
 ))
