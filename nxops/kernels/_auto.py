@@ -8,8 +8,9 @@ entry is fresh and wins; stale, unmeasured, or a GPU with no table: XLA.
 With ``NXOPS_AUTOTUNE`` on, a lowering on a real GPU times the candidates
 instead (``_autotune``).
 
-Every other platform keeps XLA until a device of its kind has measured a
-kernel (on cpu the kernels only run interpreted, for testing). Deviceless
+On tpu likewise, from the table of the TPU generation being built for
+(``tpu_v5e.json``); none is shipped, so every case keeps XLA until a TPU has
+measured a kernel. On cpu the kernels only run interpreted, for testing: XLA. Deviceless
 cost models explain, but decide nothing: their predicted wins turned into
 losses on the first GPU that measured them (bench/README.md).
 
@@ -78,9 +79,15 @@ def auto_rule(op: str, platform: str, avals: Sequence[Any], params: dict,
         return (), "kernels run interpreted on cpu (for testing)"
     if OP_FAMILY[op] == "collective":
         return (), "collectives are not measured per case (NCCL / ICI): XLA's are kept"
-    if platform != "cuda":
-        return (), f"nothing measured on {platform} (no such device has measured an nxops kernel): XLA"
-    verdict = _measured.verdict_for_target(op, avals, params, kernels)
+    nothing = f"nothing measured on {platform} (no such device has measured an nxops kernel): XLA"
+    if platform == "tpu":
+        verdict = _measured.verdict_for_tpu(op, avals, params, kernels)
+        if verdict is None:
+            return (), nothing
+    elif platform == "cuda":
+        verdict = _measured.verdict_for_target(op, avals, params, kernels)
+    else:
+        return (), nothing
     producer = None if op in COMPUTE_BOUND else fused_producer(producers)
     if verdict.winners and producer is not None:
         return (), _producer_why(producer)

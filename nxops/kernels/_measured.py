@@ -15,6 +15,11 @@ file it comes to import, makes its own entries stale, and only its own.
 `auto` takes a kernel only where its entry is fresh and measured at
 ``THRESHOLD`` of XLA's time or less; a stale or unmeasured case, a GPU with
 no table, or a table that cannot be read (a warning names it) keeps XLA.
+
+TPUs have tables of the same form per generation (``measured/tpu_v5e.json``,
+:func:`tpu_table_name`), read only where one exists for the generation
+being built for; none is shipped (no TPU has measured a kernel), so `auto`
+keeps XLA on every TPU until one does.
 """
 from __future__ import annotations
 
@@ -334,3 +339,24 @@ def verdict_for_target(op: str, avals: Sequence[Any], params: Mapping[str, Any],
     from nxops.kernels import _gpu_target
     arch = arch_name(_gpu_target.compute_capability())
     return verdict(case_of(op, avals, params), arch, kernels, str(_config.measured_dir()))
+
+
+def tpu_table_name(chip: str) -> str:
+    """``tpu_v5e`` for a v5e: the TPU tables' unit (one per generation)."""
+    return f"tpu_{chip}"
+
+
+def verdict_for_tpu(op: str, avals: Sequence[Any], params: Mapping[str, Any],
+                    kernels: Mapping[str, Any]) -> Verdict | None:
+    """``verdict`` for the TPU generation the op is being lowered for (its
+    table in ``NXOPS_MEASURED_DIR``, then the shipped one); None where the
+    generation is unknown or has no table."""
+    from nxops import _config
+    from nxops.kernels import _tpu_target
+    chip = _tpu_target.tpu_chip()
+    if chip is None:
+        return None
+    arch, directory = tpu_table_name(chip.name), str(_config.measured_dir())
+    if not any(load(arch, d) for _, d in _sources(directory)):
+        return None
+    return verdict(case_of(op, avals, params), arch, kernels, directory)

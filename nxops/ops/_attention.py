@@ -47,13 +47,17 @@ attention_p = kernel_primitive("nx_attention", "attention", xla_attention.attent
 # [B, Tk] and optionally bias [1 or B, Tq, Tk] (f32); one result, f32
 # [B, Tq, E + 1]: the output and the logsumexp. Parameters: scale, causal,
 # block, kernels (the selection), need_lse (False: nothing reads the
-# logsumexp column, so a kernel that cannot give it, cuDNN's, may run).
+# logsumexp column, so a kernel that cannot give it, cuDNN's, may run),
+# positions ("iota": q_pos[b, i] == i and k_pos[b, j] == j, known
+# statically, so a kernel whose causal mask is on local indices may take
+# causal; None: only the arrays say).
 
 
-def _bind(q, k, v, q_pos, k_pos, bias, *, scale, causal, block, kernels, need_lse=True):
+def _bind(q, k, v, q_pos, k_pos, bias, *, scale, causal, block, kernels, need_lse=True,
+          positions=None):
     operands = (q, k, v, q_pos, k_pos) + (() if bias is None else (bias,))
     return attention_p.bind(*operands, scale=scale, causal=causal, block=block, kernels=kernels,
-                            need_lse=need_lse)
+                            need_lse=need_lse, positions=positions)
 
 
 # --- batching: query-only names become query rows, the others batch members ----
@@ -76,18 +80,21 @@ def _into_batch(x, dim, size):
     return x.reshape(size * x.shape[1], *x.shape[2:])
 
 
-def _attention_batcher(vals_in, dims_in, *, scale, causal, block, kernels, need_lse):
+def _attention_batcher(vals_in, dims_in, *, scale, causal, block, kernels, need_lse,
+                       positions):
     q, k, v, q_pos, k_pos, *rest = vals_in
     q_dim, k_dim, v_dim, q_pos_dim, k_pos_dim, *bias_dims = dims_in
     bias, bias_dim = (rest[0], bias_dims[0]) if rest else (None, None)
     size = next(x.shape[d] for x, d in zip(vals_in, dims_in) if d is not None)
-    params = dict(scale=scale, causal=causal, block=block, kernels=kernels, need_lse=need_lse)
+    params = dict(scale=scale, causal=causal, block=block, kernels=kernels, need_lse=need_lse,
+                  positions=positions)
     if k_dim is None and v_dim is None and k_pos_dim is None:
-        # The same keys for every member: its queries are more rows of one pass.
+        # The same keys for every member: its queries are more rows of one
+        # pass (whose positions repeat: no longer the rows' indices).
         if bias is not None:
             bias = _into_rows(bias, bias_dim, size)
         out = _bind(_into_rows(q, q_dim, size), k, v, _into_rows(q_pos, q_pos_dim, size), k_pos,
-                    bias, **params)
+                    bias, **dict(params, positions=None))
         return out.reshape(out.shape[0], size, out.shape[1] // size, out.shape[-1]), 1
     if bias is not None and (bias_dim is not None or bias.shape[0] != 1):
         bias = _into_batch(bias, bias_dim, size)   # a bias shared by the batch stays [1, ...]
@@ -174,8 +181,9 @@ batching.primitive_batchers[attention_step_p] = _attention_step_batcher
 # rows [B, Tq, E + 1], dq, dk, dv, and with a bias: bias, dbias.
 
 
-def _tangent_impl(q, k, v, q_pos, k_pos, out, dq, dk, dv, *bias, scale, causal, block):
-    del out   # the transpose's: forward mode recomputes by blocks
+def _tangent_impl(q, k, v, q_pos, k_pos, out, dq, dk, dv, *bias, scale, causal, block,
+                  positions=None):
+    del out, positions   # the transpose's: forward mode recomputes by blocks
     config = (scale, causal, block)
 
     def forward(q, k, v, *b):
@@ -191,7 +199,7 @@ _TANGENT_KEY_SIDE = (1, 2, 4, 7, 8)      # k, v, k_pos, dk, dv
 _TANGENT_QUERY_SIDE = (0, 3, 5, 6)       # q, q_pos, the output rows, dq
 
 
-def _tangent_transpose(cts, *operands, scale, causal, block):
+def _tangent_transpose(cts, *operands, scale, causal, block, positions=None):
     (ct,) = cts
     q, k, v, q_pos, k_pos, out = operands[:6]
     bias = operands[9] if len(operands) > 9 else None
@@ -199,7 +207,7 @@ def _tangent_transpose(cts, *operands, scale, causal, block):
     if type(ct) is ad.Zero or not any(ad.is_undefined_primal(operands[i]) for i in linear):
         return [None] * len(operands)
     dq, dk, dv, dbias = attention_backward(q, k, v, q_pos, k_pos, bias, out, ct, scale=scale,
-                                           causal=causal, block=block)
+                                           causal=causal, block=block, positions=positions)
     grads = dict(zip(linear, (dq, dk, dv, dbias)))
     return [grads[i] if i in grads and ad.is_undefined_primal(operands[i]) else None
             for i in range(len(operands))]
@@ -220,7 +228,7 @@ def _tangent_batcher(vals_in, dims_in, **params):
     if all(dims_in[i] is None for i in _TANGENT_KEY_SIDE):
         for i in _TANGENT_QUERY_SIDE + bias_rows:
             operands[i] = _into_rows(vals_in[i], dims_in[i], size)
-        (t,) = attention_tangent_p.bind(*operands, **params)
+        (t,) = attention_tangent_p.bind(*operands, **dict(params, positions=None))
         return (t.reshape(t.shape[0], size, t.shape[1] // size, t.shape[-1]),), (1,)
     # A bias (and its tangent) shared by the batch stays [1, ...], as attention_p's.
     shared = bias_rows and all(dims_in[i] is None and vals_in[i].shape[0] == 1
@@ -235,18 +243,19 @@ def _tangent_batcher(vals_in, dims_in, **params):
 batching.primitive_batchers[attention_tangent_p] = _tangent_batcher
 
 
-def _attention_jvp(primals, tangents, *, scale, causal, block, kernels, need_lse):
+def _attention_jvp(primals, tangents, *, scale, causal, block, kernels, need_lse, positions):
     del need_lse   # the backward recomputes from the logsumexp
     q, k, v, q_pos, k_pos, *bias = primals
     out = _bind(q, k, v, q_pos, k_pos, bias[0] if bias else None, scale=scale, causal=causal,
-                block=block, kernels=kernels)
+                block=block, kernels=kernels, positions=positions)
     diff = (0, 1, 2) + ((5,) if bias else ())
     if all(type(tangents[i]) is ad.Zero for i in diff):
         return out, ad.Zero.from_primal_value(out)
     dq, dk, dv, *dbias = (ad.instantiate_zeros(tangents[i]) for i in diff)
     extra = (bias[0], dbias[0]) if bias else ()
     (tangent,) = attention_tangent_p.bind(q, k, v, q_pos, k_pos, out, dq, dk, dv, *extra,
-                                          scale=scale, causal=causal, block=block)
+                                          scale=scale, causal=causal, block=block,
+                                          positions=positions)
     return out, tangent
 
 
@@ -306,6 +315,23 @@ def _keys_seq_before_head(k, v, seq, into_ring=lambda mesh_names: False):
                          f"positional seq={seq} they need the same rank.")
     k, v = jnp.moveaxis(k, dim, -2), jnp.moveaxis(v, dim, -2)
     return k, v, jnp.arange(k.shape[-2], dtype=jnp.int32), (), ()
+
+
+def _static_positions(seq, q_seq, token_shape, batch_ndim, layout):
+    """``"iota"`` (``IOTA_POSITIONS``) where the kernel's rows are known to sit at their
+    own indices: both sequences positional (built here from an iota, no
+    offset), stored in order, and the queries' sequence the only query dim
+    longer than 1 (other query dims, e.g. a group's query heads, fold into
+    rows whose positions repeat); else None."""
+    if not (isinstance(seq, int) and isinstance(q_seq, int)) or layout is not None:
+        return None
+    query_dims = range(batch_ndim, len(token_shape))
+    q_dim = q_seq % (len(token_shape) + 1)
+    if q_dim not in query_dims:
+        return None
+    if any(token_shape[d] > 1 for d in query_dims if d != q_dim):
+        return None
+    return xla_attention.IOTA_POSITIONS
 
 
 def _gathered_axes(seq, q_seq, q, q_pos, mesh_names) -> tuple:
@@ -763,7 +789,9 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, seq: str | int,
                        sequence_layout)
     else:
         out = _bind(*operands[:5], operands[5] if len(operands) > 5 else None, **params,
-                    need_lse=return_lse or bool(sharded))
+                    need_lse=return_lse or bool(sharded),
+                    positions=_static_positions(seq, q_seq, token_shape, batch_ndim,
+                                                sequence_layout))
         o, lse = out[..., :-1], out[..., -1]
     if sharded:
         o, lse = _combine_key_shards(o, lse, sharded)

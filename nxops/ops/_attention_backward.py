@@ -7,7 +7,8 @@ Pallas kernels).
 Operands q, k, v, q_pos, k_pos (the forward's), the cotangent rows g_o,
 lse, row_term (``xla.attention.cotangent_rows``) and optionally the bias;
 results dq, dk, dv (and the bias's gradient). Parameters: scale, causal,
-block, kernels (the selection in force where the gradient is traced).
+block, positions (the forward's), kernels (the selection in force where the
+gradient is traced).
 """
 from __future__ import annotations
 
@@ -22,14 +23,14 @@ attention_backward_p = kernel_primitive("nx_attention_backward", "attention_back
                                         xla_backward.attention_backward, multiple_results=True)
 
 
-def backward(q, k, v, q_pos, k_pos, bias, out, g, *, scale, causal, block):
+def backward(q, k, v, q_pos, k_pos, bias, out, g, *, scale, causal, block, positions=None):
     """(dq, dk, dv, dbias) for the cotangent ``g`` [B, Tq, E + 1] of the
     forward's rows ``out`` (dbias None without a bias)."""
     rows = xla_attention.cotangent_rows(out[..., :-1], out[..., -1], g[..., :-1], g[..., -1],
                                         v.dtype)
     operands = (q, k, v, q_pos, k_pos, *rows) + (() if bias is None else (bias,))
     grads = attention_backward_p.bind(*operands, scale=scale, causal=causal, block=block,
-                                      kernels=selection_param())
+                                      positions=positions, kernels=selection_param())
     return tuple(grads) + ((None,) if bias is None else ())
 
 

@@ -12,6 +12,12 @@ shards); its logsumexp column is NaN, which nothing reads. Its constraints
 ``jax._src.cudnn.fused_attention_stablehlo``) and the op's meaning decide the
 rest (:func:`not_supported_reasons`).
 
+Causal: cuDNN's causal mask (``is_causal=True``, mask type CAUSAL) is on
+local indices, so it is taken only where ``nx.attention`` knows the
+positions are 0..T-1 (``positions="iota"``: it built them from an unmapped
+sequence), and only for as many queries as keys, where a mask aligned at the
+first query and one aligned at the last agree.
+
 Not chosen by ``auto`` until a GPU has measured it (``kernels/measured``):
 select it with ``NXOPS_KERNELS=attention=cudnn``.
 """
@@ -21,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from nxops.kernels._registry import Kernel, register
+from nxops.kernels.xla.attention import IOTA_POSITIONS
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # cuDNN's flash attention head dims on Hopper and later (128 before): at
@@ -29,21 +36,23 @@ MAX_HEAD_DIM, HEAD_DIM_MULTIPLE = 256, 8
 
 
 def attention(q, k, v, q_pos, k_pos, bias=None, *, scale: float, causal: bool,
-              platform: str = "cuda", **params) -> jax.Array:
+              platform: str = "cuda", positions: str | None = None, **params) -> jax.Array:
     """[B, Tq, E + 1] f32: cuDNN's output (one head per batch member) and a
     NaN logsumexp column (taken only where nothing reads it)."""
     del q_pos, k_pos, params
-    if bias is not None or causal or platform != "cuda":
-        raise ValueError("the cuDNN attention takes no bias, no causal mask, cuda only "
-                         "(see not_supported_reasons)")
+    if bias is not None or (causal and positions != IOTA_POSITIONS) or platform != "cuda":
+        raise ValueError("the cuDNN attention takes no bias, a causal mask only on positions "
+                         "0..T-1, cuda only (see not_supported_reasons)")
     out = jax.nn.dot_product_attention(q[:, :, None], k[:, :, None], v[:, :, None],
-                                       scale=float(scale), implementation="cudnn")[:, :, 0]
+                                       scale=float(scale), is_causal=bool(causal),
+                                       implementation="cudnn")[:, :, 0]
     lse = jnp.full((*out.shape[:2], 1), jnp.nan, jnp.float32)
     return jnp.concatenate([out.astype(jnp.float32), lse], axis=-1)
 
 
 def not_supported_reasons(q, k, v, q_pos, k_pos, bias=None, *, platform: str,
-                          causal: bool = False, need_lse: bool = True, **params) -> list[str]:
+                          causal: bool = False, need_lse: bool = True,
+                          positions: str | None = None, **params) -> list[str]:
     """Why cuDNN cannot give this case's result exactly (empty: it can)."""
     del q_pos, k_pos, params
     reasons = []
@@ -53,10 +62,16 @@ def not_supported_reasons(q, k, v, q_pos, k_pos, bias=None, *, platform: str,
         reasons.append("the logsumexp is read (return_lse=True, a gradient, whose backward "
                        "recomputes from it, or key shards combined by it); cuDNN gives its "
                        "softmax statistics only in the output dtype")
-    if causal:
-        reasons.append("the causal mask is on global positions, which the kernel receives as "
-                       "arrays (a ring step's keys start elsewhere); cuDNN's causal mask is on "
-                       "local indices")
+    if causal and positions != IOTA_POSITIONS:
+        reasons.append("causal with positions given as arrays: cuDNN's causal mask is on local "
+                       "indices, so it needs query i at position i and key j at j, which "
+                       "nx.attention knows only where it builds the positions itself (an "
+                       "unmapped sequence, no SequenceLayout, one query row per position: not "
+                       "a ring step, user positions, or query heads folded into rows)")
+    elif causal and q.shape[1] != k.shape[1]:
+        reasons.append(f"causal with {q.shape[1]} queries and {k.shape[1]} keys: taken only "
+                       f"for as many queries as keys (where cuDNN's mask alignment cannot "
+                       f"differ from the op's)")
     if bias is not None:
         reasons.append("a bias or mask: the op's is float32, cuDNN takes it in the inputs' "
                        "dtype (rounded)")
@@ -77,5 +92,5 @@ KERNEL = register(Kernel(
     op="attention", backend="cudnn", platforms=("cuda",), fn=attention,
     not_supported_reasons=not_supported_reasons,
     description="cuDNN flash attention (jax.nn.dot_product_attention, implementation='cudnn'): "
-                "no logsumexp, no causal, no bias; forward only",
+                "no logsumexp, no bias, causal only on positions 0..T-1; forward only",
 ))

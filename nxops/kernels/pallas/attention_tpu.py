@@ -50,6 +50,8 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu import flash_attention as jax_flash
 
+from nxops.kernels.xla.attention import IOTA_POSITIONS
+
 F32 = jnp.float32
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # JAX's default block sizes (BlockSizes.get_default): 128 everywhere. Its
@@ -57,8 +59,6 @@ DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 BLOCK = jax_flash.MIN_BLOCK_SIZE
 SUBLANES = jax_flash.NUM_SUBLANES
 MAX_SMALL_HEAD_DIM = jax_flash.MIN_BLOCK_SIZE
-# The static fact nx.attention passes where q_pos[b, i] == i and k_pos[b, j] == j.
-IOTA = "iota"
 
 
 def _interpreted(platform: str):
@@ -119,7 +119,7 @@ def not_supported_reasons(q, k, v, q_pos, k_pos, bias=None, *, causal: bool = Fa
     """Why JAX's TPU flash attention cannot give this case exactly (empty: it can)."""
     del q_pos, k_pos, params
     reasons = []
-    if causal and positions != IOTA:
+    if causal and positions != IOTA_POSITIONS:
         reasons.append(
             "causal with positions given as arrays: the TPU kernel's causal mask compares "
             "block-local indices, so it needs query i at position i and key j at j, which "

@@ -36,6 +36,10 @@ from nxops.kernels._registry import PLATFORMS, Kernel, register
 # Default block (queries and keys per step): one step's f32 scores for 16
 # heads of 512 x 512 are 16 MiB.
 DEFAULT_BLOCK = 512
+# The ``positions`` parameter's one value: ``q_pos[b, i] == i`` and
+# ``k_pos[b, j] == j``, known statically (nx.attention built them from an
+# iota), so a kernel whose causal mask compares local indices may take causal.
+IOTA_POSITIONS = "iota"
 
 
 def block_size(length: int, block: int | None) -> int:
@@ -329,12 +333,15 @@ _fused = differentiable(forward)
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
               bias: jax.Array | None = None, *, scale: float, causal: bool,
               block: int | None = None, platform: str = "cpu",
-              need_lse: bool = True) -> jax.Array:
+              need_lse: bool = True, positions: str | None = None) -> jax.Array:
     """[B, Tq, E + 1] f32: ``softmax(q·k * scale + bias, masked) · v`` and the
     logsumexp, differentiable in q, k, v and bias without materializing
     [Tq, Tk]. ``block``: queries and keys per step (None: ``DEFAULT_BLOCK``);
-    ``need_lse``: whether anything reads the logsumexp (it is computed either way)."""
-    del platform, need_lse
+    ``need_lse``: whether anything reads the logsumexp (it is computed either
+    way); ``positions``: ``"iota"`` where ``q_pos[b, i] == i`` and ``k_pos[b,
+    j] == j`` are known statically (kernels whose causal mask is on local
+    indices may then take causal), else None (the arrays say)."""
+    del platform, need_lse, positions
     if q.shape[1] == 0 or k.shape[1] == 0:
         return _empty_result(q, v)
     return _fused(q, k, v, q_pos.astype(jnp.int32), k_pos.astype(jnp.int32),

@@ -20,10 +20,11 @@ from nxops.kernels.xla import attention as forward
 
 
 def attention_backward(q, k, v, q_pos, k_pos, g_o, lse, row_term, bias=None, *, scale: float,
-                       causal: bool, block: int | None = None,
-                       platform: str = "cpu") -> tuple[jax.Array, ...]:
-    """(dq, dk, dv[, dbias]) of the attention op for its cotangent rows."""
-    del platform
+                       causal: bool, block: int | None = None, platform: str = "cpu",
+                       positions: str | None = None) -> tuple[jax.Array, ...]:
+    """(dq, dk, dv[, dbias]) of the attention op for its cotangent rows
+    (``positions``: as the forward's)."""
+    del platform, positions
     if q.shape[1] == 0 or k.shape[1] == 0:
         zeros = (jnp.zeros(q.shape, q.dtype), jnp.zeros(k.shape, k.dtype),
                  jnp.zeros(v.shape, v.dtype))
