@@ -98,7 +98,8 @@ def test_cudnn_takes_half_precision_heads_up_to_256_in_multiples_of_8(dtype, d):
     (dict(d=60), "head dim 60"),
     (dict(d=64, e=128), "differs"),
     (dict(need_lse=True), "logsumexp is read"),
-    (dict(causal=True), "global positions"),
+    (dict(causal=True), "positions given as arrays"),
+    (dict(causal=True, positions="iota"), "as many queries as keys"),
     (dict(bias=True), "a bias or mask"),
     (dict(platform="cpu"), "not cpu"),
 ])
@@ -106,11 +107,20 @@ def test_cudnn_declines_what_its_constraints_exclude(case, words):
     assert words in _cudnn_reasons(**case)
 
 
-def _chosen(fn, selection="attention=cudnn"):
+def test_cudnn_takes_causal_where_the_positions_are_known_to_be_0_to_t():
+    q = S((4, 96, 64), jnp.bfloat16)
+    positions = (S((4, 96), I32), S((4, 96), I32))
+    reasons = cudnn_attention.not_supported_reasons(
+        q, q, q, *positions, platform="cuda", causal=True, need_lse=False, positions="iota")
+    assert reasons == []
+
+
+def _chosen(fn, selection="attention=cudnn", args=(Q, Q, Q)):
     """The kernel the registry picks on cuda for the attention primitive that
     ``fn`` binds, with the parameters it binds (lowering for cuda needs cuDNN,
     which this machine lacks: the pick is asked for directly)."""
-    eqns = [e for e in jax.make_jaxpr(fn)(Q, Q, Q).jaxpr.eqns if e.primitive.name == "nx_attention"]
+    eqns = [e for e in _equations(jax.make_jaxpr(fn)(*args).jaxpr)
+            if e.primitive.name == "nx_attention"]
     (eqn,) = eqns
     params = {k: v for k, v in eqn.params.items() if k != "kernels"}
     return choose("attention", "cuda", parse_selection(selection),
@@ -124,6 +134,43 @@ def test_nx_attention_lets_cudnn_take_only_calls_that_never_read_the_logsumexp()
     # under auto (no GPU measured it) the reference, with cuDNN's reasons
     choice = _chosen(lambda q, k, v: nx.attention(q, k, v, seq=1), "auto")
     assert choice.kernel.backend == "xla", choice.describe()
+
+
+def _equations(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs nested in it (an xmap's body)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for v in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(v, "jaxpr", v)   # a ClosedJaxpr's, or a Jaxpr
+                if hasattr(inner, "eqns"):
+                    yield from _equations(inner)
+
+
+def test_causal_unmapped_attention_takes_cudnn():
+    causal = lambda q, k, v: nx.attention(q, k, v, seq=1, q_seq=1, causal=True)
+    assert _chosen(causal).kernel.backend == "cudnn"
+    # under auto (no GPU measured it) the reference
+    assert _chosen(causal, "auto").kernel.backend == "xla"
+
+
+@pytest.mark.parametrize("call, args", [
+    # stored in a zig-zag: stored position i is not global position i
+    (lambda q, k, v: nx.attention(q, k, v, seq=1, q_seq=1, causal=True,
+                                  sequence_layout=nx.SequenceLayout("zigzag", shards=2)),
+     (Q, Q, Q)),
+    # a named sequence (positions from nx.axis_index), as a ring's or a SerialLoop's
+    (nx.xmap(lambda q, k, v: nx.attention(q, k, v, seq="s", q_seq="qs", causal=True),
+             [["h", "qs", None], ["h", "s", None], ["h", "s", None]], ["h", "qs", None]),
+     (Q, Q, Q)),
+    # grouped-query attention: a group's query heads fold into rows that repeat positions
+    (lambda q, k, v: nx.attention(q, k, v, seq=1, q_seq=2, causal=True),
+     (S((4, 4, 1024, 64), jnp.bfloat16), S((4, 1024, 64), jnp.bfloat16),
+      S((4, 1024, 64), jnp.bfloat16))),
+], ids=["sequence_layout", "named_sequence", "gqa"])
+def test_causal_with_positions_it_cannot_know_refuses_cudnn_with_the_reason(call, args):
+    with pytest.raises(nx.NxopsError, match="positions given as arrays"):
+        _chosen(call, args=args)
 
 
 def test_a_differentiated_call_reads_the_logsumexp():
@@ -149,3 +196,58 @@ def test_a_gpu_run_of_attention_cases_feeds_the_table_for_pallas_and_cudnn():
     (full,) = _table.case_keys(_cases.case("attention", "attn_full_fwd_16x4096x128_bf16"))
     (causal,) = _table.case_keys(_cases.case("attention", "attn_causal_grad_16x8192x128_bf16"))
     assert by_key == {full: {"pallas": 0.8, "cudnn": 0.5}, causal: {"pallas": 1.25}}
+
+
+# --- TPU: JAX's Pallas TPU flash attention, chosen by `auto` only from a TPU's table
+
+import types
+
+from nxops.kernels import _tpu_target
+
+TPU_Q = S((16, 1024, 128), jnp.bfloat16)
+
+
+@pytest.fixture
+def building_for_v5e():
+    """Lowerings see a v5e as their target, as a deviceless compile's devices say."""
+    token = _tpu_target.set_kind([types.SimpleNamespace(platform="tpu", device_kind="TPU v5 lite")])
+    yield
+    _tpu_target.reset(token)
+
+
+def _tpu_reports(fn=attend):
+    return nx.kernels.explain(fn, TPU_Q, TPU_Q, TPU_Q, platform="tpu").reports
+
+
+def _write_tpu_table(directory, case_key, ratio):
+    pallas = _registry.lookup("attention", "pallas")
+    entry = {"key": case_key, "backends": {"pallas": {
+        "ratio": ratio, "kernel_us": 100.0 * ratio, "xla_us": 100.0,
+        "version": _measured.kernel_version(pallas), "device": "TPU v5 lite",
+        "date": "2026-11-29", "cases": ["attention/causal_bf16"]}}}
+    (directory / f"{_measured.tpu_table_name('v5e')}.json").write_text(json.dumps(
+        {"arch": "tpu_v5e", "format": _measured.FORMAT, "entries": [entry]}))
+    _measured.load.cache_clear()
+
+
+def test_auto_keeps_xla_on_tpu_without_a_measured_table(building_for_v5e):
+    (report,) = _tpu_reports()
+    assert report.choice.kernel.backend == "xla", report.choice.describe()
+    assert "nothing measured on tpu" in report.choice.describe()
+
+
+@pytest.mark.parametrize("ratio, picked", [(0.6, "pallas"), (1.3, "xla")])
+def test_auto_on_tpu_follows_the_generations_measured_table(tmp_path, nxops_config,
+                                                            building_for_v5e, ratio, picked):
+    (report,) = _tpu_reports()
+    _write_tpu_table(tmp_path, report.choice.case, ratio)
+    nxops_config("MEASURED_DIR", str(tmp_path))
+    step = jax.grad(lambda q, k, v: attend(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    try:
+        reports = _tpu_reports(step)
+    finally:
+        _measured.load.cache_clear()
+    # one entry decides the forward and its backward
+    assert {(r.op, r.choice.kernel.backend) for r in reports} == {
+        ("attention", picked), ("attention_backward", picked)}
+    assert f"pallas {ratio:.2f}x XLA" in reports[0].choice.describe()
