@@ -84,14 +84,18 @@ def tpu_mesh(chip: str):
     return jax.sharding.Mesh(np.asarray(topology(chip).devices), ("x",))
 
 
-def compile_tpu(fn: Callable, *args: jax.ShapeDtypeStruct, chip: str = "v5e") -> TpuCompileReport:
+def compile_tpu(fn: Callable, *args: jax.ShapeDtypeStruct, chip: str = "v5e",
+                check_vma: bool = True) -> TpuCompileReport:
     """Compiles ``fn`` on per-chip ``args`` for a ``chip`` slice (see the module
-    docstring) and reads what was made."""
+    docstring) and reads what was made. ``check_vma``: the shard_map's (False
+    for ops whose reference cannot be typed with varying axes yet: nx.attention's
+    blockwise loops start from carries that vary along no axis)."""
     mesh = tpu_mesh(chip)
     n = mesh.devices.size
     stacked = [jax.ShapeDtypeStruct((n * a.shape[0], *a.shape[1:]), a.dtype,
                                     sharding=NamedSharding(mesh, PartitionSpec("x"))) for a in args]
-    body = jax.shard_map(fn, mesh=mesh, in_specs=PartitionSpec("x"), out_specs=PartitionSpec("x"))
+    body = jax.shard_map(fn, mesh=mesh, in_specs=PartitionSpec("x"), out_specs=PartitionSpec("x"),
+                         check_vma=check_vma)
     with jax.set_mesh(mesh), _quiet_libtpu():
         compiled = jax.jit(body).trace(*stacked).lower().compile()
     text = compiled.as_text()

@@ -375,7 +375,12 @@ _attention = _vjp.with_vjp(forward, attention_vjp)
 def attention(q, k, v, q_pos, k_pos, bias=None, *, scale: float, causal: bool,
               platform: str = "cuda", **params) -> jax.Array:
     """The registry's entry: the reference's signature; differentiable (the
-    backward kernels above) where called directly."""
+    backward kernels above) where called directly. On tpu, where nothing
+    reads the logsumexp (``need_lse=False``: not differentiated either), the
+    kernel writes no softmax statistics."""
+    if platform == "tpu" and not params.get("need_lse", True):
+        return attention_tpu.forward(q, k, v, q_pos, k_pos, bias, scale=scale, causal=causal,
+                                     need_lse=False)
     del params
     operands = (q, k, v, q_pos, k_pos) + (() if bias is None else (bias,))
     return _attention(*operands, scale=float(scale), causal=bool(causal), platform=platform)

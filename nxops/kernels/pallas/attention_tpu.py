@@ -59,6 +59,9 @@ DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 BLOCK = jax_flash.MIN_BLOCK_SIZE
 SUBLANES = jax_flash.NUM_SUBLANES
 MAX_SMALL_HEAD_DIM = jax_flash.MIN_BLOCK_SIZE
+# JAX names its backward kernels (flash_mha_bwd_dkv_..., flash_mha_bwd_dq_...)
+# but not its forward: this scope names it in the compiled program.
+FORWARD_NAME = "flash_mha_fwd"
 
 
 def _interpreted(platform: str):
@@ -76,18 +79,25 @@ def _heads(x):
 
 
 def forward(q, k, v, q_pos, k_pos, bias=None, *, scale: float, causal: bool,
-            platform: str = "tpu", **params) -> jax.Array:
+            platform: str = "tpu", need_lse: bool = True, **params) -> jax.Array:
     """[B, Tq, E + 1] f32: the output and the logsumexp (``m + log(l)`` of
-    the kernel's softmax statistics, in the scaled scores' units)."""
+    the kernel's softmax statistics, in the scaled scores' units). The
+    kernel writes those statistics broadcast over 128 lanes (two f32 arrays
+    of [B, Tq, 128]); with ``need_lse=False`` (nothing reads the logsumexp)
+    it writes none and the column is NaN."""
     del q_pos, k_pos, params   # the causal mask is the kernel's own (see not_supported_reasons)
     if bias is not None:
         raise ValueError("the TPU flash attention takes no bias (see not_supported_reasons)")
     bq, bk = query_block(q.shape[1]), BLOCK
-    with _interpreted(platform):
-        o, l, m = jax_flash._flash_attention_impl(
-            _heads(q), _heads(k), _heads(v), None, None, True, bool(causal), float(scale),
-            1, bq, bk, bk, False)
-    lse = m[:, 0] + jnp.log(l[:, 0])
+    with _interpreted(platform), jax.named_scope(FORWARD_NAME):
+        result = jax_flash._flash_attention_impl(
+            _heads(q), _heads(k), _heads(v), None, None, bool(need_lse), bool(causal),
+            float(scale), 1, bq, bk, bk, False)
+    if need_lse:
+        o, l, m = result
+        lse = m[:, 0] + jnp.log(l[:, 0])
+    else:
+        o, lse = result, jnp.full(q.shape[:2], jnp.nan, F32)
     return jnp.concatenate([o[:, 0].astype(F32), lse[..., None]], axis=-1)
 
 
