@@ -144,3 +144,13 @@ def test_same_values_as_numpy_through_the_kernel_functions():
     out = np.einsum("bqk,bke->bqe", np.exp(s - lse[..., None]), np.float64(v))
     np.testing.assert_allclose(rows[..., -1], lse, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(rows[..., :-1], out, rtol=1e-4, atol=1e-5)
+
+
+def test_without_the_logsumexp_the_output_is_the_same_and_its_column_nan():
+    q, k, v, q_pos, k_pos, _ = operands(2, 128, 256, 64, 64, jnp.bfloat16, q_offset=0,
+                                        bias_rows=None)
+    run = lambda need_lse: jax.jit(lambda: attention_tpu.forward(
+        q, k, v, q_pos, k_pos, scale=0.125, causal=True, platform="cpu", need_lse=need_lse))()
+    with_lse, without = run(True), run(False)
+    np.testing.assert_array_equal(without[..., :-1], with_lse[..., :-1])
+    assert bool(jnp.all(jnp.isnan(without[..., -1]))) and bool(jnp.all(jnp.isfinite(with_lse)))
