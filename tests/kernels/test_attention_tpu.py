@@ -154,3 +154,14 @@ def test_without_the_logsumexp_the_output_is_the_same_and_its_column_nan():
     with_lse, without = run(True), run(False)
     np.testing.assert_array_equal(without[..., :-1], with_lse[..., :-1])
     assert bool(jnp.all(jnp.isnan(without[..., -1]))) and bool(jnp.all(jnp.isfinite(with_lse)))
+
+
+def test_jax_vmap_keeps_the_positions_only_where_members_stay_batch_members():
+    causal = lambda q, k, v: nx.attention(q, k, v, seq=1, q_seq=1, causal=True)
+    members = S((2, *Q.shape), Q.dtype)
+    # keys batched too: each member is a batch member of its own, positions 0..T-1
+    choice = _tpu_choice(jax.vmap(causal), members, members, members)
+    assert choice.kernel.name == "pallas:attention", choice.describe()
+    # the same keys for every member: its queries fold into rows whose positions repeat
+    with pytest.raises(nx.NxopsError, match="positions given as arrays"):
+        _tpu_choice(jax.vmap(causal, in_axes=(0, None, None)), members, Q, Q)
