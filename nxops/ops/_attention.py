@@ -148,8 +148,22 @@ def _per_member(positions, x):
     return jnp.broadcast_to(positions, (x.shape[0], positions.shape[1]))
 
 
+def _gradients_reference(q, k, v, q_pos, k_pos, g_o, lse, row_term, dq, dk, dv, *, scale, causal,
+                         block):
+    """partial_gradients_p's fused form. k and v come as bits (a shard that
+    travelled) or as values (the local shard, the backward's last): those
+    become bits inside the branch that reads them. XLA:CPU copies a
+    bitcast_convert_type; made outside, the copies (two shards) were
+    scheduled first and held through the whole backward ring."""
+    def update(accumulators):
+        return xla_attention.partial_gradients(q, _as_bits(k), _as_bits(v), q_pos, k_pos, g_o,
+                                               lse, row_term, *accumulators, scale=scale,
+                                               causal=causal, block=block)
+    return xla_attention.unless_hidden(update, (dq, dk, dv), q_pos, k_pos, causal)
+
+
 partial_gradients_p = step_primitive("nx_attention_partial_gradients", "attention_backward",
-                                     xla_attention.partial_gradients, _gradients_with_kernel,
+                                     _gradients_reference, _gradients_with_kernel,
                                      operands=range(8))
 # Operands q, k, v, q_pos, k_pos (as attention_p's), the rows the backward
 # reads of the output over every key shard and its cotangent (g_o [B, Tq, E],
@@ -592,11 +606,12 @@ def _ring_backward(q, k, v, q_pos, k_pos, o, lse, last, g_o, g_lse, *, names, co
     carry = (*share(last, zeros), *last)
     (dq, dk, dv, *_), _ = lax.scan(step, carry, length=count - 2)
     dk, dv = _rotated((dk, dv), names, count, backward=True)
-    # The local shard as bits only now, after the loop: XLA:CPU copies a
-    # bitcast_convert_type (two shards), and made up front the copies would
-    # be live all through the loop, beside the accumulators.
+    # The local shard as values: the step makes its bits where it reads them
+    # (see _gradients_reference); the barrier keeps that after the loop
+    # where the step has no branch to hold it (not causal; XLA 0.10's CPU
+    # pipeline drops the barrier, the branch holds it there).
     dq, dk, dv, k, v = lax.optimization_barrier((dq, dk, dv, k, v))
-    dq, dk, dv = share((_as_bits(k), _as_bits(v), k_pos), (dq, dk, dv))
+    dq, dk, dv = share((k, v, k_pos), (dq, dk, dv))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
