@@ -166,10 +166,12 @@ def memory_table(size: Size) -> str:
         nx_b, mat, dpa = (f[p] for p in PROGRAMS)
         lines.append(f"| {name} | {nx_b:,} | {mat:,} | {dpa:,} | {nx_b / mat:.4f} | "
                      f"{nx_b / dpa:.4f} |")
-    ring = ring_memory(size)
-    lines += ["", f"ring over {RING_DEVICES} CPU devices, per device: {ring['ring']:,} bytes; "
-              f"the same xmap on one device: {ring['one device']:,} "
-              f"(ratio {ring['ring'] / ring['one device']:.3f})"]
+    lines.append("")
+    for causal in (size.causal, not size.causal):
+        ring = ring_memory(dataclasses.replace(size, causal=causal))
+        lines.append(f"ring over {RING_DEVICES} CPU devices, causal={causal}, per device: "
+                     f"{ring['ring']:,} bytes; the same xmap on one device: "
+                     f"{ring['one device']:,} (ratio {ring['ring'] / ring['one device']:.3f})")
     return "\n".join(lines)
 
 
