@@ -603,13 +603,17 @@ def _ring_backward(q, k, v, q_pos, k_pos, o, lse, last, g_o, g_lse, *, names, co
     # around the ring; the local one is the residual; the accumulators
     # travel n - 1 times and end where their shard lives.
     zeros = tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
+    # Zeros made with the forward's last shard, not before the forward's loop
+    # (where XLA schedules them beside its output rows when the first share
+    # has no branch to create them in: not causal; JAX 0.10.2 drops the barrier).
+    zeros, last = lax.optimization_barrier((zeros, tuple(last)))
     carry = (*share(last, zeros), *last)
     (dq, dk, dv, *_), _ = lax.scan(step, carry, length=count - 2)
     dk, dv = _rotated((dk, dv), names, count, backward=True)
     # The local shard as values: the step makes its bits where it reads them
-    # (see _gradients_reference); the barrier keeps that after the loop
-    # where the step has no branch to hold it (not causal; XLA 0.10's CPU
-    # pipeline drops the barrier, the branch holds it there).
+    # (see _gradients_reference). The barrier keeps that after the loop where
+    # the step has no branch to hold it (not causal); JAX 0.10.2's XLA:CPU
+    # drops the barrier, and there only a causal step's branch holds it.
     dq, dk, dv, k, v = lax.optimization_barrier((dq, dk, dv, k, v))
     dq, dk, dv = share((k, v, k_pos), (dq, dk, dv))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
