@@ -36,7 +36,7 @@ from nxops.ops._named_layout import along_vmap_names
 from nxops.ops._positions import axis_index, axis_size
 from nxops.ops._cross_entropy import _check_axis_argument, _positional_dim, _resolve_name
 from nxops.ops._primitive import (jvp_of_evaluation, kernel_primitive, local_primitive, match_varying,
-                                  selection_param)
+                                  selection_param, step_primitive)
 from nxops.ops._replicated import replicated_over
 from nxops.ops._sequence_layout import SequenceLayout
 
@@ -106,19 +106,83 @@ def _attention_batcher(vals_in, dims_in, *, scale, causal, block, kernels, need_
 batching.primitive_batchers[attention_p] = _attention_batcher
 
 
-partial_gradients_p = local_primitive("nx_attention_partial_gradients",
-                                      xla_attention.partial_gradients)
+# --- a ring's steps: one key shard each, through the registry's kernels ---------
+#
+# Where the selection picks XLA's reference, a step is its fused form (the
+# online softmax continued in the rows' buffer; the gradients added into the
+# accumulators); where it picks a kernel (Pallas flash attention), the
+# kernel's own pass over the shard, merged into those. k and v may come as
+# their bits (see _as_bits).
+
+
+def _as_values(x, dtype):
+    """A shard that travels as its bits, as values of ``dtype`` again."""
+    return x if x.dtype == dtype else lax.bitcast_convert_type(x, dtype)
+
+
+def _step_with_kernel(attend, q, k, v, q_pos, k_pos, rows, *, scale, causal, block):
+    """attention_step_p's result with ``attend``, a kernel of the registry's
+    ``attention``: its output and logsumexp over this shard, merged into
+    ``rows``'s (the queries' over the shards before)."""
+    k, v = _as_values(k, q.dtype), _as_values(v, q.dtype)
+    q_pos, k_pos = _per_member(q_pos, q), _per_member(k_pos, k)
+
+    def update(rows):
+        new = attend(q, k, v, q_pos, k_pos, None, scale=scale, causal=causal, block=block,
+                     need_lse=True)
+        o, lse = _merged(rows[..., :-1], rows[..., -1], new[..., :-1], new[..., -1])
+        return jnp.concatenate([o, lse[..., None]], -1)
+    return (xla_attention.unless_hidden(update, rows, q_pos, k_pos, causal),)
+
+
+def _gradients_with_kernel(backward, q, k, v, q_pos, k_pos, g_o, lse, row_term, dq, dk, dv, *,
+                           scale, causal, block):
+    """partial_gradients_p's result with ``backward``, a kernel of the
+    registry's ``attention_backward``: this shard's dq, dk, dv added in
+    float32 to the accumulators."""
+    k, v = _as_values(k, q.dtype), _as_values(v, q.dtype)
+    q_pos, k_pos = _per_member(q_pos, q), _per_member(k_pos, k)
+
+    def update(accumulators):
+        shares = backward(q, k, v, q_pos, k_pos, g_o, lse, row_term, scale=scale,
+                          causal=causal, block=block)
+        return tuple(a + s.astype(jnp.float32) for a, s in zip(accumulators, shares))
+    return xla_attention.unless_hidden(update, (dq, dk, dv), q_pos, k_pos, causal)
+
+
+def _per_member(positions, x):
+    """Positions [1 or B, T] as [B, T] (a kernel reads one row per batch member)."""
+    return jnp.broadcast_to(positions, (x.shape[0], positions.shape[1]))
+
+
+def _gradients_reference(q, k, v, q_pos, k_pos, g_o, lse, row_term, dq, dk, dv, *, scale, causal,
+                         block):
+    """partial_gradients_p's fused form. k and v come as bits (a shard that
+    travelled) or as values (the local shard, the backward's last): those
+    become bits inside the branch that reads them. XLA:CPU copies a
+    bitcast_convert_type; made outside, the copies (two shards) were
+    scheduled first and held through the whole backward ring."""
+    def update(accumulators):
+        return xla_attention.partial_gradients(q, _as_bits(k), _as_bits(v), q_pos, k_pos, g_o,
+                                               lse, row_term, *accumulators, scale=scale,
+                                               causal=causal, block=block)
+    return xla_attention.unless_hidden(update, (dq, dk, dv), q_pos, k_pos, causal)
+
+
+partial_gradients_p = step_primitive("nx_attention_partial_gradients", "attention_backward",
+                                     _gradients_reference, _gradients_with_kernel,
+                                     operands=range(8))
 # Operands q, k, v, q_pos, k_pos (as attention_p's), the rows the backward
 # reads of the output over every key shard and its cotangent (g_o [B, Tq, E],
 # lse [B, Tq], row_term [B, Tq]: xla_attention.cotangent_rows), and the
 # float32 accumulators dq, dk, dv; results: the accumulators plus this key
-# shard's share. Parameters: scale, causal, block.
+# shard's share. Parameters: scale, causal, block, kernels.
 _KEY_SIDE = (1, 2, 4, 9, 10)        # k, v, k_pos and the dk, dv accumulators
 _QUERY_SIDE = (0, 3, 5, 6, 7, 8)    # q, q_pos, the cotangent rows and the dq accumulator
 
 
-def _partial_gradients(*operands, scale, causal, block):
-    return partial_gradients_p.bind(*operands, scale=scale, causal=causal, block=block)
+def _partial_gradients(*operands, **params):
+    return partial_gradients_p.bind(*operands, **params)
 
 
 def _partial_gradients_batcher(vals_in, dims_in, **params):
@@ -141,11 +205,17 @@ def _partial_gradients_batcher(vals_in, dims_in, **params):
 batching.primitive_batchers[partial_gradients_p] = _partial_gradients_batcher
 
 
-attention_step_p = local_primitive("nx_attention_step", lambda *operands, **params: (
-    xla_attention.continued(*operands, **params),))
+def _continued(*operands, **params):
+    return (xla_attention.continued(*operands, **params),)
+
+
+attention_step_p = step_primitive("nx_attention_step", "attention", _continued,
+                                  _step_with_kernel, operands=range(5),
+                                  op_params=dict(need_lse=True))
 # Operands q, k, v, q_pos, k_pos (as attention_p's) and the float32 rows
 # [B, Tq, E + 1] (output and logsumexp) of the queries over other keys; its
-# result: those rows over these keys too. Parameters: scale, causal, block.
+# result: those rows over these keys too. Parameters: scale, causal, block,
+# kernels.
 
 
 def _attention_step(q, k, v, k_pos, q_pos, rows, params):
@@ -497,7 +567,7 @@ def _ring(operands, names, params, out_dtype, layout):
         out = _bind(*operands, None, **params)
         return out[..., :-1].astype(out_dtype), out[..., -1]
     config = dict(names=tuple(names), count=count,
-                  **{name: params[name] for name in ("scale", "causal", "block")})
+                  **{name: params[name] for name in ("scale", "causal", "block", "kernels")})
 
     @jax.custom_jvp
     def ring(q, k, v, q_pos, k_pos):
@@ -518,12 +588,12 @@ def _rotated(xs, names, count, backward=False):
     return tuple(lax.ppermute(x, names, pairs) for x in xs)
 
 
-def _ring_forward(q, k, v, q_pos, k_pos, *, names, count, scale, causal, block, out_dtype,
-                  travel=None):
+def _ring_forward(q, k, v, q_pos, k_pos, *, names, count, scale, causal, block, kernels,
+                  out_dtype, travel=None):
     """((o, lse), the last key shard (k, v, positions) the device saw). The
     shards travel as ``travel`` makes them (their bits by default; forward
     mode passes values, which carry tangents)."""
-    step_params = dict(scale=scale, causal=causal, block=block)
+    step_params = dict(scale=scale, causal=causal, block=block, kernels=kernels)
     travel = travel or _as_bits
 
     def step(carry, _):
@@ -539,10 +609,10 @@ def _ring_forward(q, k, v, q_pos, k_pos, *, names, count, scale, causal, block, 
 
 
 def _ring_backward(q, k, v, q_pos, k_pos, o, lse, last, g_o, g_lse, *, names, count, scale,
-                   causal, block):
+                   causal, block, kernels):
     """(dq, dk, dv) in q's, k's, v's dtypes for the cotangents of (o, lse)."""
     rows = xla_attention.cotangent_rows(o, lse, g_o, g_lse, v.dtype)
-    step_params = dict(scale=scale, causal=causal, block=block)
+    step_params = dict(scale=scale, causal=causal, block=block, kernels=kernels)
 
     def share(shard, accumulators):
         k, v, k_pos = shard
@@ -559,10 +629,19 @@ def _ring_backward(q, k, v, q_pos, k_pos, o, lse, last, g_o, g_lse, *, names, co
     # around the ring; the local one is the residual; the accumulators
     # travel n - 1 times and end where their shard lives.
     zeros = tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
+    # Zeros made with the forward's last shard, not before the forward's loop
+    # (where XLA schedules them beside its output rows when the first share
+    # has no branch to create them in: not causal; JAX 0.10.2 drops the barrier).
+    zeros, last = lax.optimization_barrier((zeros, tuple(last)))
     carry = (*share(last, zeros), *last)
     (dq, dk, dv, *_), _ = lax.scan(step, carry, length=count - 2)
     dk, dv = _rotated((dk, dv), names, count, backward=True)
-    dq, dk, dv = share((_as_bits(k), _as_bits(v), k_pos), (dq, dk, dv))
+    # The local shard as values: the step makes its bits where it reads them
+    # (see _gradients_reference). The barrier keeps that after the loop where
+    # the step has no branch to hold it (not causal); JAX 0.10.2's XLA:CPU
+    # drops the barrier, and there only a causal step's branch holds it.
+    dq, dk, dv, k, v = lax.optimization_barrier((dq, dk, dv, k, v))
+    dq, dk, dv = share((k, v, k_pos), (dq, dk, dv))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
@@ -570,17 +649,16 @@ def _ring_backward(q, k, v, q_pos, k_pos, o, lse, last, g_o, g_lse, *, names, co
 # dtype) and its logsumexp, the last key shard the forward saw (k, v as they
 # travel, positions), and the tangents dq, dk, dv; results: the tangents of
 # o and of the logsumexp. Parameters: names, count (the ring), scale, causal,
-# block. Its collectives are the ring's own ppermutes, lowered in place.
+# block, kernels. Its collectives are the ring's own ppermutes, lowered in place.
 _RING_TANGENTS = (10, 11, 12)
 _RING_KEY_SIDE = (1, 2, 4, 7, 8, 9, 11, 12)
 _RING_QUERY_SIDE = (0, 3, 5, 6, 10)
 _RING_KEY_POSITIONS = (4, 9)
 
 
-def _ring_tangent_eval(q, k, v, q_pos, k_pos, o, lse, last_k, last_v, last_pos, dq, dk, dv, *,
-                       names, count, scale, causal, block):
+def _ring_tangent_eval(q, k, v, q_pos, k_pos, o, lse, last_k, last_v, last_pos, dq, dk, dv,
+                       **config):
     """Forward mode: the JVP of the forward ring, the shards as values."""
-    config = dict(names=names, count=count, scale=scale, causal=causal, block=block)
 
     def forward(q, k, v):
         return _ring_forward(q, k, v, q_pos, k_pos, out_dtype=o.dtype, travel=lambda x: x,
@@ -595,15 +673,14 @@ mlir.register_lowering(ring_tangent_p, lambda ctx, *args, **params: mlir.lower_f
     functools.partial(_ring_tangent_eval, **params), multiple_results=True)(ctx, *args))
 
 
-def _ring_tangent_transpose(cts, *operands, names, count, scale, causal, block):
+def _ring_tangent_transpose(cts, *operands, **config):
     if not any(ad.is_undefined_primal(operands[i]) for i in _RING_TANGENTS):
         return [None] * len(operands)
     q, k, v, q_pos, k_pos, o, lse, *last = operands[:10]
     g_o, g_lse = (jnp.zeros(x.aval.shape, x.aval.dtype) if type(x) is ad.Zero else x
                   for x in cts)
     grads = dict(zip(_RING_TANGENTS, _ring_backward(
-        q, k, v, q_pos, k_pos, o, lse, tuple(last), g_o, g_lse, names=names, count=count,
-        scale=scale, causal=causal, block=block)))
+        q, k, v, q_pos, k_pos, o, lse, tuple(last), g_o, g_lse, **config)))
     return [grads[i] if i in grads and ad.is_undefined_primal(operands[i]) else None
             for i in range(len(operands))]
 
@@ -649,8 +726,7 @@ ad.primitive_jvps[partial_gradients_p] = _ring_second_derivative
 
 # The ring step's forward mode (in the ring's tangent): the pass's own JVP.
 ad.primitive_jvps[attention_step_p] = jvp_of_evaluation(
-    lambda *operands, **params: (xla_attention.continued(*operands, **params),),
-    without_tangent=(3, 4))
+    lambda *operands, kernels, **params: _continued(*operands, **params), without_tangent=(3, 4))
 
 
 def _as_bits(x):

@@ -58,26 +58,38 @@ def _lower_with_kernel(ctx, *args, registry_op: str, platform: str, naming_param
         raise NxopsError(f"nxops op {registry_op!r} reached lowering with unbound names {pending}: "
                          f"a named axis must be bound by an enclosing vmap, shard_map or xmap.")
     params = _kernel_params(params, naming_params)
-    selection = _selection.parse_selection(kernels)
-    devices = _lowering_devices(ctx)
-    # The target's GPU architecture picks the measured table; a real local GPU
-    # may be autotuned on (NXOPS_AUTOTUNE=on).
-    with target_devices(devices), _autotune.lowering_for(devices):
-        choice = _choice.choose(registry_op, platform, selection, ctx.avals_in,
-                                  _is_auto_partitioned(ctx), _producers(args), **params)
-    _reports.report(registry_op, choice, ctx.avals_in)
+    choice = _choose(ctx, args, registry_op, platform, kernels, ctx.avals_in, params)
     fn = functools.partial(choice.kernel.fn, platform=platform, **params)
-    # Kernels are local computations: trace them on plain avals (no sharding,
-    # no shard_map varying-axes types) outside any mesh context.
+    return _lower_locally(ctx, args, fn, platform, multiple_results)
+
+
+def _lower_locally(ctx, args, fn, platform: str, multiple_results: bool):
+    """``fn(*args)`` lowered as a kernel: a local computation, traced on plain
+    avals (no sharding, no shard_map varying-axes types) outside any mesh
+    context, for the target GPU of the devices the module is lowered for."""
     # A fresh name stack: kernels are named as they were when each lowering was
     # a function of its own (not "jvp_..." after the transformations above them).
     local_ctx = ctx.replace(avals_in=[_local_aval(a) for a in ctx.avals_in],
                             avals_out=[_local_aval(a) for a in ctx.avals_out],
                             name_stack=source_info_util.new_name_stack())
-    with target_devices(devices):
+    with target_devices(_lowering_devices(ctx)):
         with (jax.sharding.use_abstract_mesh(kernel_mesh(platform)),
               jax_config._check_vma(False)):
             return mlir.lower_fun(fn, multiple_results=multiple_results)(local_ctx, *args)
+
+
+def _choose(ctx, args, registry_op: str, platform: str, kernels: str, avals, params: dict):
+    """The registry's choice for ``registry_op`` on operands ``args`` of
+    types ``avals`` in lowering context ``ctx``, reported."""
+    selection = _selection.parse_selection(kernels)
+    devices = _lowering_devices(ctx)
+    # The target's GPU architecture picks the measured table; a real local GPU
+    # may be autotuned on (NXOPS_AUTOTUNE=on).
+    with target_devices(devices), _autotune.lowering_for(devices):
+        choice = _choice.choose(registry_op, platform, selection, avals,
+                                _is_auto_partitioned(ctx), _producers(args), **params)
+    _reports.report(registry_op, choice, avals)
+    return choice
 
 
 # Ops that only re-view their operand (XLA makes them bitcasts): the producer
@@ -160,21 +172,27 @@ def kernel_primitive(name: str, op: str, reference: Callable[..., Any],
 
     prim.def_impl(functools.partial(dispatch.apply_primitive, prim))
     prim.def_abstract_eval(abstract_eval)
-    rules = {platform: functools.partial(_lower_with_kernel, registry_op=op, platform=platform,
-                                         naming_params=naming_params,
-                                         multiple_results=multiple_results)
-             for platform in PLATFORMS}
+    _register_per_platform(prim, {
+        platform: functools.partial(_lower_with_kernel, registry_op=op, platform=platform,
+                                    naming_params=naming_params,
+                                    multiple_results=multiple_results)
+        for platform in PLATFORMS})
+    return prim
+
+
+def _register_per_platform(prim: Primitive, rules: dict) -> None:
+    """Lowers ``prim`` with ``rules[platform]``, each picking its kernel."""
     if lower_per_platform is None:
         for platform, rule in rules.items():
             mlir.register_lowering(prim, rule, platform=platform)
-    else:
-        # Inline (not cacheable): a cached lowering is emitted as a function of
-        # its own, which would hide the operands' producers from `auto`'s rule.
-        def lower(ctx, *args, **params):
-            ctx = ctx.replace(avals_out=list(ctx.avals_out))   # see nxops/_jax.py
-            return lower_per_platform(ctx, name, rules, None, (), *args, **params)
-        mlir.register_lowering(prim, lower, cacheable=False)
-    return prim
+        return
+
+    # Inline (not cacheable): a cached lowering is emitted as a function of
+    # its own, which would hide the operands' producers from `auto`'s rule.
+    def lower(ctx, *args, **params):
+        ctx = ctx.replace(avals_out=list(ctx.avals_out))   # see nxops/_jax.py
+        return lower_per_platform(ctx, prim.name, rules, None, (), *args, **params)
+    mlir.register_lowering(prim, lower, cacheable=False)
 
 
 def match_varying(*xs):
@@ -225,6 +243,52 @@ def local_primitive(name: str, reference: Callable[..., Sequence[Any]],
     prim.def_impl(functools.partial(dispatch.apply_primitive, prim))
     prim.def_abstract_eval(abstract_eval)
     mlir.register_lowering(prim, lower)
+    return prim
+
+
+def step_primitive(name: str, registry_op: str, reference: Callable[..., Sequence[Any]],
+                   with_kernel: Callable[..., Sequence[Any]], operands: Sequence[int],
+                   op_params: dict | None = None) -> Primitive:
+    """A primitive with several results for one step of a larger algorithm
+    (a ring's pass over one key shard) built on registry op ``registry_op``.
+    It takes ``kernels`` (the selection) besides ``reference``'s parameters.
+    Lowered, it picks the kernel for ``registry_op`` as a kernel primitive
+    would, for its operands at positions ``operands`` (the op's own, in the
+    op's order; one held as its bits, an unsigned int of a float's width,
+    is shown to the choice in the first one's dtype) and the step's
+    parameters with ``op_params`` (the op's that the step fixes). Where that
+    is XLA's reference it runs ``reference(*operands, **params)`` (the
+    step's own fused form), else ``with_kernel(kernel_fn, *operands,
+    **params)``, ``kernel_fn`` the kernel's function with its platform bound."""
+    prim = Primitive(name)
+    prim.multiple_results = True
+    operands = tuple(operands)
+
+    def abstract_eval(*avals, kernels, **params):
+        del kernels
+        return _abstract_eval_many(reference, tuple(avals), tuple(sorted(params.items())),
+                                   bool(jax.config.jax_enable_x64))
+
+    def op_avals(avals):
+        dtype = avals[operands[0]].dtype
+        return [core.ShapedArray(a.shape, dtype)
+                if a.dtype.kind == "u" and a.dtype.itemsize == dtype.itemsize else a
+                for a in (avals[i] for i in operands)]
+
+    def lower_on(ctx, *args, platform: str, kernels: str, **params):
+        choice = _choose(ctx, [args[i] for i in operands], registry_op, platform, kernels,
+                         op_avals(ctx.avals_in), dict(params, **(op_params or {})))
+        if choice.kernel.backend == "xla":
+            fn = functools.partial(reference, **params)
+        else:
+            fn = functools.partial(with_kernel, functools.partial(choice.kernel.fn,
+                                                                  platform=platform), **params)
+        return _lower_locally(ctx, args, fn, platform, multiple_results=True)
+
+    prim.def_impl(functools.partial(dispatch.apply_primitive, prim))
+    prim.def_abstract_eval(abstract_eval)
+    _register_per_platform(prim, {platform: functools.partial(lower_on, platform=platform)
+                                  for platform in PLATFORMS})
     return prim
 
 

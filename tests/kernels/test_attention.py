@@ -5,11 +5,14 @@ backward; causal masks on global positions that differ between queries and
 keys (a ring step's), queries that see no key, a bias shared by the batch,
 lengths and head dims that are not multiples of the blocks, bf16; and
 grouped-query attention through ``nx.attention`` with the kernels selected
-(forward and backward), and under vmap of grad (each member's own gradient)."""
+(forward and backward), under vmap of grad (each member's own gradient), and
+in a ring's steps (the sequence on a mesh axis), whose kernels the selection
+picks as the unmapped op's."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType
 
 import nxops as nx
 from nxops.kernels import _reports
@@ -171,3 +174,53 @@ def test_declines_what_it_cannot_take():
     # on tpu the kernel is JAX's TPU flash attention: keys in blocks of 128
     assert "key length 8" in " ".join(pallas_attention.not_supported_reasons(*fine,
                                                                              platform="tpu"))
+
+
+@pytest.mark.parametrize("layout, dtype", [
+    (None, jnp.float32), (nx.SequenceLayout("zigzag", shards=4), jnp.float32),
+    # bf16 shards travel as their bits: the steps hand the kernel values.
+    (None, jnp.bfloat16)], ids=["in-order", "zigzag", "in-order-bf16"])
+def test_ring_steps_run_the_selected_kernel(layout, dtype):
+    # Queries and keys on the 4 devices of y (a ring), causal, 2 key/value
+    # heads of 2 query heads, 48 tokens (12 per device: ragged 16-blocks).
+    tokens, n = 48, 4
+    keys = jax.random.split(jax.random.key(3), 4)
+    q = jax.random.normal(keys[0], (2, 2, tokens, 8)).astype(dtype)
+    k, v = (jax.random.normal(x, (2, tokens, 8)).astype(dtype) for x in keys[1:3])
+    c = jax.random.normal(keys[3], q.shape)
+    order = np.arange(tokens) if layout is None else layout.order(tokens)
+
+    def loss(resources):
+        ring = nx.xmap(lambda q, k, v: nx.attention(q, k, v, seq="s", q_seq="qs", causal=True,
+                                                    sequence_layout=layout),
+                       [["h", "g", "qs", None], ["h", "s", None], ["h", "s", None]],
+                       ["h", "g", "qs", None], axis_resources=resources)
+        # Stored in the layout's order; the loss's weights follow the data.
+        return lambda q, k, v: jnp.sum(c[:, :, order] * ring(q, k, v).astype(jnp.float32))
+
+    def by_hand(q, k, v):   # in order, the scores whole, in f32
+        q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+        s = jnp.einsum("hgqd,hkd->hgqk", q, k) / np.sqrt(8)
+        s = jnp.where(jnp.tril(jnp.ones((tokens, tokens), bool)), s, -jnp.inf)
+        return jnp.sum(c * jnp.einsum("hgqk,hke->hgqe", jax.nn.softmax(s, -1), v))
+
+    stored = (q[:, :, order], k[:, order], v[:, order])
+    mesh = jax.make_mesh((2, n), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
+    ring_step = jax.jit(jax.value_and_grad(loss({"qs": "y", "s": "y"}), argnums=(0, 1, 2)))
+    with jax.set_mesh(mesh), nx.kernels.use("attention=pallas"), \
+            _reports.collect_reports() as reports:
+        got, grads = ring_step(*stored)
+    assert {r.choice.kernel.name for r in reports} == {"pallas:attention",
+                                                       "pallas:attention_backward"}
+    want, want_grads = jax.value_and_grad(by_hand, argnums=(0, 1, 2))(q, k, v)
+    _tolerances.assert_close(got, want, dtype, scale=4.0 * np.sqrt(q.size))
+    inverse = np.argsort(order)
+    got_grads = (grads[0][:, :, inverse], grads[1][:, inverse], grads[2][:, inverse])
+    for g, w in zip(got_grads, want_grads):
+        assert g.dtype == dtype
+        _tolerances.assert_close(g.astype(jnp.float32), w, dtype,
+                                 scale=float(jnp.max(jnp.abs(w))) * 4)
+    # `auto` keeps XLA's reference in the ring's steps: nothing has measured a kernel there.
+    with jax.set_mesh(mesh), _reports.collect_reports() as reports:
+        jax.jit(jax.value_and_grad(loss({"qs": "y", "s": "y"}), argnums=(0, 1, 2)))(*stored)
+    assert {r.choice.kernel.name for r in reports} == {"xla:attention", "xla:attention_backward"}

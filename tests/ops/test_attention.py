@@ -330,18 +330,21 @@ def test_ring_bf16_matches_one_device():
                                  scale=4 * max(1.0, float(jnp.max(jnp.abs(r)))))
 
 
-def test_ring_holds_a_fraction_of_one_device_program():
-    """Batch 1, 16 heads, 8192 tokens, head dim 128, bf16, causal, queries and
-    keys over 8 CPU devices: each device's temp of jit(value_and_grad) is at
-    most 12.5 times one shard of q (bf16), and at most 0.19 of the same
-    xmap's on one device. Measured: 12.2 shards on JAX 0.10.2 and 0.12,
-    which is 0.126 of one device on 0.10.2 (whose one-device program holds
-    float32 copies of q, k, v) and 0.189 on 0.12. The scan that JAX
-    differentiated itself kept every shard and held 1.2x."""
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_ring_holds_a_sixth_of_one_device_program(causal):
+    """Batch 1, 16 heads, 8192 tokens, head dim 128, bf16, queries and keys
+    over 8 CPU devices: each device's temp of jit(value_and_grad) is at most
+    1/6 of the same xmap's on one device, and, causal, at most 10.5 times one
+    shard of q (bf16). Measured, causal: 10.18 shards on JAX 0.10.2 and 0.12
+    (the f32 dq, dk, dv and one arriving accumulator, the output's cotangent,
+    one arriving shard), which is 0.105 of one device on 0.10.2 (whose
+    one-device program holds float32 copies of q, k, v) and 0.158 on 0.12;
+    not causal: 0.125 and 0.158. The scan that JAX differentiated itself kept
+    every shard and held 1.2x."""
     shape = (1, 16, 8192, 128)
 
     def temp(devices, resources):
-        body = lambda q, k, v: nx.attention(q, k, v, seq="s", q_seq="qs", causal=True)
+        body = lambda q, k, v: nx.attention(q, k, v, seq="s", q_seq="qs", causal=causal)
         attend = nx.xmap(body, [["b", "h", "qs", None], ["b", "h", "s", None],
                                 ["b", "h", "s", None]], ["b", "h", "qs", None],
                          axis_resources=resources)
@@ -357,8 +360,10 @@ def test_ring_holds_a_fraction_of_one_device_program():
         return compiled.memory_analysis().temp_size_in_bytes
     one_device = temp(jax.devices()[:1], {})
     ring = temp(jax.devices()[:8], {"qs": "d", "s": "d"})
-    shard = math.prod(shape) // 8 * 2
-    assert ring <= 12.5 * shard and ring <= 0.19 * one_device, (ring, one_device)
+    assert 6 * ring <= one_device, (ring, one_device)
+    if causal:
+        shard = math.prod(shape) // 8 * 2
+        assert ring <= 10.5 * shard, (ring, shard)
 
 
 def computed_block_pairs(monkeypatch, layout, program, n, tokens):

@@ -162,13 +162,13 @@ def continued(q, k, v, q_pos, k_pos, into, *, scale, causal, block):
     if q.shape[1] == 0 or k.shape[1] == 0:
         return into
     q_pos, k_pos = q_pos.astype(jnp.int32), k_pos.astype(jnp.int32)
-    return _unless_hidden(
+    return unless_hidden(
         lambda into: _forward(q, k, v, q_pos, k_pos, None, scale=float(scale),
                               causal=bool(causal), block=block, into=into),
         into, q_pos, k_pos, causal)
 
 
-def _unless_hidden(update, accumulators, q_pos, k_pos, causal):
+def unless_hidden(update, accumulators, q_pos, k_pos, causal):
     """``update(accumulators)``, or the accumulators as they are where the
     causal mask hides every key from every query (a ring's shard of later
     keys: one branch, not a loop over empty blocks)."""
@@ -284,7 +284,7 @@ def partial_gradients(q, k, v, q_pos, k_pos, g_o, lse, row_term, dq, dk, dv, *, 
         return _backward_rows(q, k, v, q_pos, k_pos, None, g_o, lse, row_term,
                               scale=float(scale), causal=bool(causal), block=block,
                               into=accumulators)[:3]
-    return _unless_hidden(update, (dq, dk, dv), q_pos, k_pos, causal)
+    return unless_hidden(update, (dq, dk, dv), q_pos, k_pos, causal)
 
 
 def _add_rows(acc, rows, start):
