@@ -12,7 +12,7 @@ mesh axes xmap converts at the custom call (docs/xmap.md, "Custom rules"):
 
 - the cotangent of a result replicated over a mesh axis is summed over it
   (whole, as with no resources) before ``bwd`` runs; where every device of
-  the axis holds the same part (``_same_cotangents``), the sum is that part
+  the axis holds the same part (``_SameCotangents``), the sum is that part
   times the axis size, no all-reduce;
 - ``bwd``'s cotangent for an operand replicated over a mesh axis goes back to
   a part: divided by the axis size when it does not vary along the axis (one
@@ -28,11 +28,13 @@ of the one trace of the body (``walk_program``); it does not call the body.
 """
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from typing import Any, Callable, Sequence
 
 import jax
+import numpy as np
 from jax import lax
 from jax.extend.core import Literal
 
@@ -42,6 +44,7 @@ from nxops._jax import (bwd_cotangents, custom_rule_wrappers,
 from nxops.kernels.xla import collectives as xla_collectives
 from nxops.ops._axis_env import mesh_platform as _mesh_platform
 from nxops.ops._axis_env import CustomCall
+from nxops.ops._named_params import named_axes_effect
 from nxops.xmap._varying import (_CUSTOM_RULE_PRIMITIVES, NO_NAMES, Names, VaryingWalk,
                                  _sub_jaxprs, open_jaxpr)
 
@@ -68,11 +71,11 @@ def walk_program(jaxpr, in_mesh_axes: Sequence, plan, typed: bool,
     names: dict = {}
     results = analysis.run(jaxpr, [Names(a) for a in in_mesh_axes], record=names)
     if typed:
-        same = _same_cotangents(jaxpr, names, out_mesh_axes, Names(mesh_axes))
-        for eqn in jaxpr.eqns:
+        same = _SameCotangents(jaxpr, names, out_mesh_axes, Names(mesh_axes))
+        for index, eqn in enumerate(jaxpr.eqns):
             call = _custom_call(eqn)
             if call is not None and call.typed_bwd is not None:
-                call.typed_bwd.same = [same(v) for v in eqn.outvars]
+                call.typed_bwd.same = functools.partial(same.of_results, index)
     return results, analysis.branches_per_device
 
 
@@ -82,46 +85,73 @@ def _custom_call(eqn) -> CustomCall | None:
     return next((c for c in calls if isinstance(c, CustomCall)), None)
 
 
-def _same_cotangents(jaxpr, names: dict, out_mesh_axes: Sequence, every: Names) -> Callable:
-    """``same(var)``: the mesh axes along which every device gets the same
-    cotangent for ``var`` (a variable of ``jaxpr``, the program inside the
-    shard_map) under a ``jax.grad`` outside the xmap; parts that sum to the
-    whole cotangent are then each the whole over the axis size.
+class _SameCotangents:
+    """Along which mesh axes every device gets the same cotangent for a
+    variable of ``jaxpr`` (the program inside the shard_map) under a
+    ``jax.grad`` outside the xmap; parts that sum to the whole cotangent are
+    then each the whole over the axis size.
 
     shard_map's transpose hands a result not split along a mesh axis its
     cotangent over the axis size on each of its devices: the same part. An
     equation none of whose operands vary along the axis, and that neither
     communicates over it nor asks for a position along it, computes the same
     on all its devices, and so does its transpose: same cotangents in, same
-    out. Any other use (a custom rule, whose ``bwd`` may do anything, or an
-    operand that varies, a residual that differs per device) may make them
-    differ, so is not counted on."""
-    seen: dict = {}   # var -> axes so far (no use yet: a zero cotangent, the same everywhere)
-    same = lambda v: seen.get(v, every) - names.get(v, NO_NAMES)
+    out. A custom_vjp call's typed ``bwd`` gives an operand the same
+    cotangent on every device where it divided one value (``alike_out``), once
+    it has run. Any other use (an operand that varies, so a residual that
+    differs per device; a custom rule not run yet) may make them differ, so is
+    not counted on. Read backwards from the end as the transpose asks
+    (``of_results``): the transpose runs the later custom calls' ``bwd`` first."""
 
-    def meet(v, axes: Names) -> None:
+    def __init__(self, jaxpr, names: dict, out_mesh_axes: Sequence, every: Names):
+        self._eqns, self._names, self._every = jaxpr.eqns, names, every
+        self._seen: dict = {}   # var -> axes so far (no use: a zero cotangent, the same)
+        self._next = len(self._eqns) - 1   # the last equation not read yet
+        for v, axes in zip(jaxpr.outvars, out_mesh_axes):
+            self._meet(v, every - Names(axes))
+
+    def of_results(self, index: int) -> list[Names]:
+        """For each result of equation ``index``: every use of it comes after."""
+        while self._next > index:
+            self._read(self._eqns[self._next])
+            self._next -= 1
+        return [self._same(v) for v in self._eqns[index].outvars]
+
+    def _same(self, v) -> Names:
+        return self._seen.get(v, self._every) - self._names.get(v, NO_NAMES)
+
+    def _meet(self, v, axes: Names) -> None:
         if not isinstance(v, Literal):
-            seen[v] = seen.get(v, every) & axes
-    for v, axes in zip(jaxpr.outvars, out_mesh_axes):
-        meet(v, every - Names(axes))
-    for eqn in reversed(jaxpr.eqns):   # every use of a variable comes after it
-        operands = [v for v in eqn.invars if not isinstance(v, Literal)]
-        passed = every.intersection(*(same(v) for v in eqn.outvars))
-        passed -= Names().union(*(names.get(v, NO_NAMES) for v in operands))
-        passed -= _position_dependent(eqn, every)
-        for v in operands:
-            meet(v, passed)
-    return same
+            self._seen[v] = self._seen.get(v, self._every) & axes
+
+    def _read(self, eqn) -> None:
+        operands = list(eqn.invars)
+        call = _custom_call(eqn)
+        if call is not None:
+            n_consts = eqn.params.get("num_consts", 0)
+            alike = getattr(call.typed_bwd, "alike_out", None) or []
+            passed = [NO_NAMES] * n_consts + list(alike)
+            passed += [NO_NAMES] * (len(operands) - len(passed))
+        else:
+            every = self._every
+            same = every.intersection(*(self._same(v) for v in eqn.outvars))
+            same -= Names().union(*(self._names.get(v, NO_NAMES) for v in operands
+                                    if not isinstance(v, Literal)))
+            if same:
+                same -= _position_dependent(eqn, every)
+            passed = [same] * len(operands)
+        for v, axes in zip(operands, passed):
+            self._meet(v, axes)
 
 
-_ANY = object()   # in _mentioned: a custom rule or shard_map inside, which may use any axis
+_ANY = object()   # in _mentioned: something inside may use any axis (_mentioned_by)
 _MENTIONED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _position_dependent(eqn, every: Names) -> Names:
     """The mesh axes among ``every`` that ``eqn`` may communicate over or ask a
     position along: any its parameters (or those of the equations nested in
-    it) name, all of them for a custom rule or a shard_map."""
+    it) name, all of them where ``_mentioned_by`` cannot tell."""
     found = _mentioned_by(eqn)
     for sub in _sub_jaxprs(eqn.params):
         found = found | _mentioned(open_jaxpr(sub))
@@ -139,22 +169,26 @@ def _mentioned(jaxpr) -> frozenset:
     return found
 
 
-def _mentioned_by(eqn) -> frozenset:
-    """Every string in ``eqn``'s parameters (axis names among them), and
-    ``_ANY`` for a custom rule or a shard_map."""
-    if eqn.primitive.name in _CUSTOM_RULE_PRIMITIVES or eqn.primitive.name == "shard_map":
-        return frozenset((_ANY,))
-    strings: set = set()
+# The parameters in which JAX's primitives name axes (lax's collectives,
+# axis_index, pcast).
+_AXIS_PARAMS = ("axes", "axis_name", "axis_names")
 
-    def collect(value) -> None:
-        if isinstance(value, str):
-            strings.add(value)
-        elif isinstance(value, (tuple, list, frozenset)):
-            for item in value:
-                collect(item)
-    for value in eqn.params.values():
-        collect(value)
-    return frozenset(strings)
+
+def _mentioned_by(eqn) -> frozenset:
+    """The axis names in ``eqn``'s parameters; ``_ANY`` for a custom rule, a
+    shard_map, or one of nxops' primitives other than its named ops (a
+    kernel may communicate over axes its parameters do not show)."""
+    name = eqn.primitive.name
+    named = named_axes_effect(eqn.primitive, eqn.params)
+    if (name in _CUSTOM_RULE_PRIMITIVES or name == "shard_map"
+            or (name.startswith("nx") and named is None)):
+        return frozenset((_ANY,))
+    found = set(named[0]) if named is not None else set()
+    for key in _AXIS_PARAMS:
+        value = eqn.params.get(key)
+        if value is not None:
+            found.update(value if isinstance(value, (tuple, list, frozenset)) else (value,))
+    return frozenset(found)
 
 
 def _annotate(eqn, ins: list[Names], outs: list[Names]) -> None:
@@ -175,23 +209,26 @@ class _TypedBwd:
 
     def __init__(self, operands: list[Names], results: list[Names]):
         self.names = (operands, results)
-        # per result: the mesh axes along which every device gets the same
-        # cotangent (``_same_cotangents``); None: not known, none
-        self.same: list[Names] | None = None
+        # same(): per result, the mesh axes along which every device gets
+        # the same cotangent (_SameCotangents); None: not known, none
+        self.same: Callable | None = None
+        # per operand, the mesh axes along which the cotangent bwd's last
+        # run gave it is the same on every device
+        self.alike_out: list[Names] | None = None
 
     def __call__(self, bwd: Callable, args: Sequence, mesh_axes: tuple) -> list:
         operands, results = self.names
         mesh = jax.sharding.get_abstract_mesh()
         n_res = len(args) - len(results)
         res, cts = list(args[:n_res]), list(args[n_res:])
-        same = self.same or [NO_NAMES] * len(results)
+        same = self.same() if self.same is not None else [NO_NAMES] * len(results)
         for j, names in enumerate(results):
             if not _float(cts[j]):
                 continue
             parts = [m for m in mesh_axes if m not in names and m not in same[j]]
             alike = [m for m in mesh_axes if m not in names and m in same[j]]
             if alike:
-                cts[j] = cts[j] * math.prod(mesh.shape[m] for m in alike)
+                cts[j] = _times(cts[j], math.prod(mesh.shape[m] for m in alike))
             if parts:   # (16-bit floats summed in f32 on CPU)
                 cts[j] = xla_collectives.psum(cts[j], tuple(parts), platform=_mesh_platform())
         traced = _TracedBwd(bwd, res, cts)
@@ -199,12 +236,13 @@ class _TypedBwd:
         walked: dict = {}
         out_names = self._bwd_result_names(traced, len(res), cts_names, mesh_axes, walked)
         out, rebuild = traced.results(res, cts, _psum_of_alike(walked, mesh_axes))
+        alike_out = []
         for i, names in enumerate(operands):
-            if not _float(out[i]):
-                continue
             one_value = [m for m in mesh_axes if m not in names and m not in out_names[i]]
-            if one_value:
+            alike_out.append(Names(one_value) if _float(out[i]) else NO_NAMES)
+            if one_value and _float(out[i]):
                 out[i] = out[i] / math.prod(mesh.shape[m] for m in one_value)
+        self.alike_out = alike_out
         return rebuild(out)
 
     def _bwd_result_names(self, traced: "_TracedBwd", n_res: int, cts_names: list,
@@ -256,9 +294,15 @@ def _psum_of_alike(names: dict, mesh_axes: tuple) -> Callable:
             return None
         size = math.prod(mesh.shape[a] for a in alike)
         rest = tuple(a for a in axes if a not in alike)
-        outs = [x * size for x in operands]
+        outs = [_times(x, size) for x in operands]
         return list(lax.psum(outs, rest)) if rest else outs
     return override
+
+
+def _times(x, size: int):
+    """``x * size`` in ``x``'s dtype, bound as one ``mul`` (no jax.numpy call:
+    its promotion and nested jit cost more to trace than the product)."""
+    return lax.mul(x, np.array(size, x.dtype))
 
 
 class _TracedBwd:

@@ -4,7 +4,6 @@ against the positional program (jax.vmap with axis_name); and a transformer
 block written with f/g compiles to no more transposes or copies than the same
 block with plain nx.psum."""
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
