@@ -267,3 +267,51 @@ def test_fg_grad_outside_compiles_like_its_twins_with_the_same_gradients(mp):
     for name in ("check_vma=True", "check_vma=False, cotangent x mp"):
         assert all_reduces["xmap"] == all_reduces[name], (name, all_reduces)
     assert len(all_reduces["xmap"][1]) == 4, all_reduces["xmap"]
+
+
+def test_fg_stack_grad_outside_needs_no_more_all_reduces_than_its_typed_twin():
+    """Two GPT-J layers (f/g in each) with the gradient outside: each layer's
+    g feeds the next layer's f, whose bwd hands back a cotangent the same on
+    every device, so no g sums its cotangent; the check_vma=True twin, which
+    computes the same gradients, runs at least as many all-reduces."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from tests._megatron import (GPTJ_AXES, fg_operators_typed, gptj_layer, gptj_params)
+    mp, layers, head_dim = 2, 2, 8
+    keys = jax.random.split(jax.random.key(3), layers + 1)
+    params = [gptj_params(k, shards=mp, model=32, heads=4, head_dim=head_dim, ffn=64)
+              for k in keys[1:]]
+    x = jax.random.normal(keys[0], (2, 8, 32))
+
+    def stack(operators):
+        def forward(params, x):
+            f, g = operators()
+            for p in params:
+                x = gptj_layer(p, x, f, g, head_dim)
+            return x
+        return forward
+
+    def local(params, x):
+        shard = [{n: w if n == "ln" else w[0] for n, w in p.items()} for p in params]
+        return stack(lambda: fg_operators_typed("mp"))(shard, x[0])[None]
+    layer_specs = {"ln": P(), "qkv": P("mp"), "out": P("mp"), "ffn_in": P("mp"),
+                   "ffn_out": P("mp")}
+    specs = ([layer_specs] * layers, P("dp"))
+    programs = {
+        "xmap": nx.xmap(stack(lambda: fg_operators(nx.psum, "s")),
+                        ([GPTJ_AXES] * layers, ["b", ...]), ["b", ...],
+                        axis_resources={"b": "dp", "s": "mp"}),
+        "twin": jax.shard_map(local, in_specs=specs, out_specs=P("dp"), check_vma=True)}
+    mesh = jax.make_mesh((2, mp), ("dp", "mp"), devices=jax.devices()[:2 * mp])
+    got, all_reduces = {}, {}
+    with jax.set_mesh(mesh):
+        placed = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)),
+                              (params, x), specs, is_leaf=lambda s: isinstance(s, P))
+        for name, p in programs.items():
+            step = jax.jit(jax.value_and_grad(lambda *a: jnp.mean(p(*a) ** 2), argnums=(0, 1)))
+            got[name] = step(*placed)
+            all_reduces[name] = _all_reduces(step.lower(*placed).compile())
+    for a, b in zip(jax.tree.leaves(got["xmap"]), jax.tree.leaves(got["twin"])):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    (xmap_count, xmap_bytes), (twin_count, twin_bytes) = [
+        (len(a), sum(b for _, b in a)) for a in all_reduces.values()]
+    assert xmap_count <= twin_count and xmap_bytes <= twin_bytes, all_reduces
