@@ -5,12 +5,21 @@ Programs, each ``jax.jit(jax.value_and_grad(loss))`` over the (dp=2, mp) mesh
 with the batch on ``dp`` and the model shards on ``mp``:
 
 - ``fg_mlp``: Megatron's column- then row-parallel MLP written with the f/g
-  operators (custom_vjps around ``psum``; ``tests/_megatron.py``);
+  operators (custom_vjps around ``psum``; ``tests/_megatron.py``); its twin a
+  ``shard_map(check_vma=True)`` with the same f/g (g's bwd casting its
+  cotangent to varying, as that typing asks), which computes nxops' values
+  and gradients (``tests/xmap/test_fg_custom_rules.py`` checks both, and
+  that both compile to the same all-reduces);
+- ``fg_mlp_check_vma_false``: the same nxops program against the
+  ``shard_map(check_vma=False)`` program with the same f/g, which computes
+  other gradients (x's 1/mp of nxops', the weights' 1/mp of theirs), for
+  comparison with earlier tables;
 - ``training_step``: the Megatron-style block of ``bench_training.py``
   (``psum`` over the shards, vocab logits, cross-entropy, ``pmean``);
 - ``gptj_stack``: GPT-J's layer (``tests/_megatron.py``: layer norm,
   attention and MLP in parallel, f/g operators) stacked ``GPTJ_LAYERS`` times, at toy width (tracing cost
-  grows with the layers, not the width).
+  grows with the layers, not the width); its twin a ``check_vma=True``
+  ``shard_map`` as ``fg_mlp``'s.
 
 Per sample, one fresh process (``subprocess``) times the first call of a
 fresh jitted step (trace + lower + compile + run), then, for another fresh
@@ -36,7 +45,7 @@ import sys
 import time
 
 DP = 2
-PROGRAMS = ("fg_mlp", "training_step", "gptj_stack")
+PROGRAMS = ("fg_mlp", "fg_mlp_check_vma_false", "training_step", "gptj_stack")
 IMPLS = ("xmap", "twin")
 GPTJ_LAYERS = 28
 
@@ -51,19 +60,19 @@ def _setup_devices(n: int = 8) -> None:
 # -- the programs: (step factory, operands, partition specs) ------------------
 
 
-def _fg_mlp(mp: int):
+def _fg_mlp(mp: int, typed_twin: bool = True):
     import jax
     from jax import lax
     from jax.sharding import PartitionSpec as P
 
     import nxops as nx
-    from tests._megatron import fg_operators
+    from tests._megatron import fg_operators, fg_operators_typed
 
     T, D, H = 64, 512, 2048
 
-    def body(psum):
+    def body(operators):
         def mlp(x, w1, w2):
-            f, g = fg_operators(psum, "s" if psum is nx.psum else "mp")
+            f, g = operators()
             return g(jax.nn.gelu(f(x) @ w1) @ w2)
         return mlp
 
@@ -74,12 +83,15 @@ def _fg_mlp(mp: int):
     specs = (P("dp"), P("mp"), P("mp"))
 
     def xmapped():
-        return nx.xmap(body(nx.psum), (["b", ...], ["s", ...], ["s", ...]), ["b", ...],
+        return nx.xmap(body(lambda: fg_operators(nx.psum, "s")),
+                       (["b", ...], ["s", ...], ["s", ...]), ["b", ...],
                        axis_resources={"b": "dp", "s": "mp"})
 
     def twin():
-        local = lambda x, w1, w2: body(lax.psum)(x[0], w1[0], w2[0])[None]
-        return jax.shard_map(local, in_specs=specs, out_specs=P("dp"), check_vma=False)
+        operators = ((lambda: fg_operators_typed("mp")) if typed_twin
+                     else lambda: fg_operators(lax.psum, "mp"))
+        local = lambda x, w1, w2: body(operators)(x[0], w1[0], w2[0])[None]
+        return jax.shard_map(local, in_specs=specs, out_specs=P("dp"), check_vma=typed_twin)
     return {"xmap": xmapped, "twin": twin}, operands, specs
 
 
@@ -107,17 +119,17 @@ def _training_step(mp: int):
 
 def _gptj_stack(mp: int, layers: int = GPTJ_LAYERS):
     import jax
-    from jax import lax
     from jax.sharding import PartitionSpec as P
 
     import nxops as nx
-    from tests._megatron import GPTJ_AXES, fg_operators, gptj_layer, gptj_params
+    from tests._megatron import (GPTJ_AXES, fg_operators, fg_operators_typed, gptj_layer,
+                                 gptj_params)
 
     T, D, HEADS, HEAD_DIM, FFN = 16, 64, 8, 8, 256
 
-    def stack(psum, axis):
+    def stack(operators):
         def forward(params, x):
-            f, g = fg_operators(psum, axis)
+            f, g = operators()
             for p in params:
                 x = gptj_layer(p, x, f, g, HEAD_DIM)
             return x
@@ -132,18 +144,21 @@ def _gptj_stack(mp: int, layers: int = GPTJ_LAYERS):
     specs = ([layer_specs] * layers, P("dp"))
 
     def xmapped():
-        return nx.xmap(stack(nx.psum, "s"), ([GPTJ_AXES] * layers, ["b", ...]), ["b", ...],
+        return nx.xmap(stack(lambda: fg_operators(nx.psum, "s")),
+                       ([GPTJ_AXES] * layers, ["b", ...]), ["b", ...],
                        axis_resources={"b": "dp", "s": "mp"})
 
     def twin():
         def local(params, x):
             shard = [{n: w if n == "ln" else w[0] for n, w in p.items()} for p in params]
-            return stack(lax.psum, "mp")(shard, x[0])[None]
-        return jax.shard_map(local, in_specs=specs, out_specs=P("dp"), check_vma=False)
+            return stack(lambda: fg_operators_typed("mp"))(shard, x[0])[None]
+        return jax.shard_map(local, in_specs=specs, out_specs=P("dp"), check_vma=True)
     return {"xmap": xmapped, "twin": twin}, operands, specs
 
 
-BUILDERS = {"fg_mlp": _fg_mlp, "training_step": _training_step, "gptj_stack": _gptj_stack}
+BUILDERS = {"fg_mlp": _fg_mlp,
+            "fg_mlp_check_vma_false": lambda mp: _fg_mlp(mp, typed_twin=False),
+            "training_step": _training_step, "gptj_stack": _gptj_stack}
 
 
 def _step(make):

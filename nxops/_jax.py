@@ -334,6 +334,27 @@ def eval_closed_jaxpr(closed, *args) -> list:
     return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
 
 
+def eval_closed_jaxpr_with(closed, override: Callable, *args) -> list:
+    """``eval_closed_jaxpr``, where ``override(eqn, operands)`` may give an
+    equation's results (a list) instead of binding it again (None: bind it).
+    Private: ``source_info_util.user_context``, ``eqn.ctx`` and
+    ``Primitive.get_bind_params``, as JAX's own ``core.eval_jaxpr`` uses them."""
+    jaxpr = closed.jaxpr
+    env = dict(zip([*jaxpr.constvars, *jaxpr.invars], [*closed.consts, *args]))
+    read = lambda v: v.val if isinstance(v, core.Literal) else env[v]
+    for eqn in jaxpr.eqns:
+        operands = [read(v) for v in eqn.invars]
+        outs = override(eqn, operands)
+        if outs is None:
+            name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+            with (source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
+                  eqn.ctx.manager):
+                outs = eqn.primitive.bind(*operands, **eqn.primitive.get_bind_params(eqn.params))
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
+
+
 def staging_into_jaxpr() -> bool:
     """Whether the trace in scope stages into a jaxpr (jax.jit, a lax control
     flow body, make_jaxpr), directly or under transformations (jax.grad,

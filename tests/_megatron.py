@@ -23,6 +23,37 @@ def fg_operators(psum, axis):
     return f, g
 
 
+def fg_operators_typed(axis):
+    """f and g over ``axis`` for ``shard_map(check_vma=True)``: g's identity
+    bwd casts its cotangent (invariant along ``axis``, as g's result) to
+    varying, as that typing asks of a varying operand's cotangent. Its
+    gradients outside are those nx.xmap gives on every placement (the
+    no-resources answer): JAX's typing hands f and g their results' whole
+    cotangents, summing f's parts where f's result meets the varying weights."""
+    @jax.custom_vjp
+    def f(x):
+        return x
+    f.defvjp(lambda x: (x, None), lambda _, ct: (lax.psum(ct, axis),))
+
+    @jax.custom_vjp
+    def g(x):
+        return lax.psum(x, axis)
+    g.defvjp(lambda x: (g(x), None), lambda _, ct: (lax.pcast(ct, axis, to="varying"),))
+    return f, g
+
+
+def times_in_gradient(x, factor):
+    """``x``, whose cotangent is multiplied by ``factor``: undoes the division
+    of a ``shard_map(check_vma=False)``'s transpose, which hands each of the
+    ``factor`` devices a result replicated over them its cotangent over
+    ``factor``, so that f/g written for that program see whole cotangents."""
+    @jax.custom_vjp
+    def scaled(x):
+        return x
+    scaled.defvjp(lambda x: (x, None), lambda _, ct: (ct * factor,))
+    return scaled(x)
+
+
 # --- GPT-J's layer -----------------------------------------------------------
 # One layer norm feeds attention and the MLP in parallel; both add to the
 # residual. Each shard holds some heads (and MLP columns): its weights come

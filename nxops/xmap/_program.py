@@ -587,7 +587,10 @@ def _run_body(local_program: Callable, args: list, plan: Plan, in_mesh_axes: lis
     with collect_custom_calls() as calls:
         closed = stage_to_evaluate(pinned_program, *args)
     typed = any(call.kind == "custom_vjp" and call.primal_mesh_op is not None for call in calls)
-    mesh_varying, branches_per_device = walk_program(closed.jaxpr, in_mesh_axes, plan, typed)
+    out_mesh_axes = [_pspec_axes(plan.partition_spec(s, v.aval.ndim))
+                     for v, s in zip(closed.jaxpr.outvars, outputs.specs)] if typed else ()
+    mesh_varying, branches_per_device = walk_program(closed.jaxpr, in_mesh_axes, plan, typed,
+                                                     out_mesh_axes)
     if branches_per_device and plan.unvmapped():
         raise NeedsVmapLevels()
     if variance is None:

@@ -166,9 +166,11 @@ class VaryingWalk:
         self.branches_per_device = False
 
     def run(self, jaxpr: Jaxpr, in_names: Sequence[Names],
-            const_names: Names = NO_NAMES) -> list[Names]:
-        """The names each output of ``jaxpr`` varies along, given its inputs'."""
-        env: dict = {}
+            const_names: Names = NO_NAMES, record: dict | None = None) -> list[Names]:
+        """The names each output of ``jaxpr`` varies along, given its inputs'.
+        ``record``: filled with the names of every variable of ``jaxpr``
+        (not of the jaxprs nested in it)."""
+        env: dict = {} if record is None else record
         for var, names in zip(jaxpr.invars, in_names):
             env[var] = names
         for var in jaxpr.constvars:

@@ -4,7 +4,6 @@ against the positional program (jax.vmap with axis_name); and a transformer
 block written with f/g compiles to no more transposes or copies than the same
 block with plain nx.psum."""
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -193,57 +192,126 @@ def test_fg_inside_a_sub_jaxpr_differentiates_outside(wrap, name, resources):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
 
 
-# --- grad outside the xmap vs a check_vma=False shard_map twin ---------------
+# --- grad outside the xmap vs its shard_map twins ---------------------------
 # jax.value_and_grad of an f/g MLP taken outside, with x on 'b' (mesh axis dp)
-# and replicated over 's' (mesh axis mp), as bench_first_call's fg_mlp. Its
-# shard_map(check_vma=False) twin computes other gradients, each 1/mp of
-# nxops', so it cannot be the xmap's HLO twin: shard_map's transpose divides
-# the replicated result's cotangent by mp and psums the replicated x's, so g's
-# identity bwd hands the weights 1/mp of their gradients and x gets its loss
-# gradient. (check_vma=True refuses this program: g's identity bwd returns an
-# invariant cotangent for an operand that varies.) nxops gives the no-resources
-# answer on every placement (module docstring of nxops/xmap/_custom_rules.py):
-# the weights' exact gradients and x's times the size of 's'. That costs two all-reduces the twin has not:
-# summing g's result cotangent whole before its bwd (its parts are equal here,
-# but not in general: a use of g's result that varies along 's' makes them
-# differ), and f's bwd psum of the cotangent already summed whole (nx.psum of a
-# value that does not vary is still an all-reduce).
+# and replicated over 's' (mesh axis mp), as bench_first_call's fg_mlp. nxops
+# gives the no-resources answer on every placement (module docstring of
+# nxops/xmap/_custom_rules.py): the weights' exact gradients and x's times the
+# size of 's' (f's psum backward sums a cotangent already whole). Two
+# hand-written shard_map programs compute exactly that: with check_vma=True,
+# whose typing hands f and g whole cotangents (g's bwd then casts its
+# cotangent to varying, as that typing asks), and with check_vma=False, whose
+# transpose hands each device 1/mp of the replicated result's cotangent, with
+# that cotangent multiplied back by mp. nxops compiles to as many all-reduces
+# of as many bytes as either. The plain check_vma=False program with the same
+# f/g computes other gradients (x's loss gradient, the weights' 1/mp of theirs).
 
 
-def _all_reduces(compiled) -> int:
-    return sum(1 for line in compiled.as_text().splitlines()
-               if re.search(r"= \S+ all-reduce(-start)?\(", line))
+def _all_reduces(compiled) -> list:
+    """(group size, bytes per device) of each all-reduce, sorted."""
+    return sorted((c.group_size, c.bytes_per_device) for c in nx.hlo.collectives(compiled)
+                  if c.kind == "all-reduce")
+
+
+def _fg_twins(mp):
+    from jax.sharding import PartitionSpec as P
+    from tests._megatron import fg_operators_typed, times_in_gradient
+    specs = (P("dp"), P("mp"), P("mp"))
+    local = lambda psum: lambda x, w1, w2: mlp(
+        lambda v, _: psum(v, "mp"), True, x[0], w1[0], w2[0])[None]
+
+    def typed(x, w1, w2):
+        f, g = fg_operators_typed("mp")
+        return g(jax.nn.gelu(f(x[0]) @ w1[0]) @ w2[0])[None]
+    twin = lambda body, check: jax.shard_map(body, in_specs=specs, out_specs=P("dp"),
+                                             check_vma=check)
+    return specs, {"check_vma=True": twin(typed, True),
+                   "check_vma=False, cotangent x mp": twin(
+                       lambda *a: times_in_gradient(local(lax.psum)(*a), mp), False),
+                   "check_vma=False": twin(local(lax.psum), False)}
 
 
 @pytest.mark.parametrize("mp", [2, 4])
-def test_fg_grad_outside_differs_from_its_check_vma_false_twin(mp):
-    from jax.sharding import NamedSharding, PartitionSpec as P
+def test_fg_grad_outside_compiles_like_its_twins_with_the_same_gradients(mp):
+    from jax.sharding import NamedSharding
     rng = np.random.default_rng(2)
     shapes = [(2, 8, 16), (mp, 16, 12), (mp, 12, 16)]
     args = [jnp.asarray(rng.standard_normal(s) / 4, jnp.float32) for s in shapes]
-    specs = (P("dp"), P("mp"), P("mp"))
-    body = lambda psum, axis: lambda x, w1, w2: mlp(
-        lambda v, _: psum(v, axis), True, x, w1, w2)
-    xmapped = nx.xmap(body(nx.psum, "s"), [["b", ...], ["s", ...], ["s", ...]], ["b", ...],
-                      axis_resources={"b": "dp", "s": "mp"})
-    twin = jax.shard_map(lambda x, w1, w2: body(lax.psum, "mp")(x[0], w1[0], w2[0])[None],
-                         in_specs=specs, out_specs=P("dp"), check_vma=False)
+    specs, twins = _fg_twins(mp)
+    programs = {"xmap": nx.xmap(lambda x, w1, w2: mlp(lambda v, _: nx.psum(v, "s"), True,
+                                                      x, w1, w2),
+                                [["b", ...], ["s", ...], ["s", ...]], ["b", ...],
+                                axis_resources={"b": "dp", "s": "mp"}), **twins}
+    ref = _positional(functools.partial(mlp, lax.psum, False), (None, 0, 0), (0, None, None))
+    ref_loss, ref_grads = jax.value_and_grad(lambda *a: jnp.mean(ref(*a) ** 2),
+                                             argnums=(0, 1, 2))(*args)
     mesh = jax.make_mesh((2, mp), ("dp", "mp"), devices=jax.devices()[:2 * mp])
+    got, all_reduces = {}, {}
     with jax.set_mesh(mesh):
         placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
-        steps = {argnums: [jax.jit(jax.value_and_grad(lambda *a, p=p: jnp.mean(p(*a) ** 2),
-                                                      argnums=argnums)) for p in (xmapped, twin)]
-                 for argnums in ((0, 1, 2), 0)}
-        (loss, grads), (twin_loss, twin_grads) = [s(*placed) for s in steps[0, 1, 2]]
-        # counted for the gradient of x alone, as bench_first_call's fg_mlp takes it
-        counts = [_all_reduces(s.lower(*placed).compile()) for s in steps[0]]
-    ref = _positional(functools.partial(mlp, lax.psum, False), (None, 0, 0), (0, None, None))
-    ref_grads = jax.grad(lambda *a: jnp.mean(ref(*a) ** 2), argnums=(0, 1, 2))(*args)
+        for name, p in programs.items():
+            step = lambda argnums: jax.jit(jax.value_and_grad(
+                lambda *a: jnp.mean(p(*a) ** 2), argnums=argnums))
+            got[name] = step((0, 1, 2))(*placed)
+            # also for the gradient of x alone, as bench_first_call's fg_mlp takes it
+            all_reduces[name] = [_all_reduces(step(a).lower(*placed).compile())
+                                 for a in ((0, 1, 2), 0)]
     close = functools.partial(np.testing.assert_allclose, rtol=1e-4, atol=1e-6)
-    close(loss, twin_loss)
-    close(grads[0], mp * np.asarray(ref_grads[0]))        # x: times the size of 's'
-    close(twin_grads[0], ref_grads[0])
-    for g, t, r in zip(grads[1:], twin_grads[1:], ref_grads[1:]):
-        close(g, r)                                        # weights: exact
-        close(t, np.asarray(r) / mp)
-    assert counts == [counts[1] + 2, 4], counts
+    no_resources = [mp * np.asarray(ref_grads[0]), *ref_grads[1:]]
+    for name, (loss, grads) in got.items():
+        close(loss, ref_loss)
+        want = (no_resources if name != "check_vma=False"
+                else [ref_grads[0], *(np.asarray(r) / mp for r in ref_grads[1:])])
+        for g, w in zip(grads, want):
+            close(g, w)
+    for name in ("check_vma=True", "check_vma=False, cotangent x mp"):
+        assert all_reduces["xmap"] == all_reduces[name], (name, all_reduces)
+    assert len(all_reduces["xmap"][1]) == 4, all_reduces["xmap"]
+
+
+def test_fg_stack_grad_outside_needs_no_more_all_reduces_than_its_typed_twin():
+    """Two GPT-J layers (f/g in each) with the gradient outside: each layer's
+    g feeds the next layer's f, whose bwd hands back a cotangent the same on
+    every device, so no g sums its cotangent; the check_vma=True twin, which
+    computes the same gradients, runs at least as many all-reduces."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from tests._megatron import (GPTJ_AXES, fg_operators_typed, gptj_layer, gptj_params)
+    mp, layers, head_dim = 2, 2, 8
+    keys = jax.random.split(jax.random.key(3), layers + 1)
+    params = [gptj_params(k, shards=mp, model=32, heads=4, head_dim=head_dim, ffn=64)
+              for k in keys[1:]]
+    x = jax.random.normal(keys[0], (2, 8, 32))
+
+    def stack(operators):
+        def forward(params, x):
+            f, g = operators()
+            for p in params:
+                x = gptj_layer(p, x, f, g, head_dim)
+            return x
+        return forward
+
+    def local(params, x):
+        shard = [{n: w if n == "ln" else w[0] for n, w in p.items()} for p in params]
+        return stack(lambda: fg_operators_typed("mp"))(shard, x[0])[None]
+    layer_specs = {"ln": P(), "qkv": P("mp"), "out": P("mp"), "ffn_in": P("mp"),
+                   "ffn_out": P("mp")}
+    specs = ([layer_specs] * layers, P("dp"))
+    programs = {
+        "xmap": nx.xmap(stack(lambda: fg_operators(nx.psum, "s")),
+                        ([GPTJ_AXES] * layers, ["b", ...]), ["b", ...],
+                        axis_resources={"b": "dp", "s": "mp"}),
+        "twin": jax.shard_map(local, in_specs=specs, out_specs=P("dp"), check_vma=True)}
+    mesh = jax.make_mesh((2, mp), ("dp", "mp"), devices=jax.devices()[:2 * mp])
+    got, all_reduces = {}, {}
+    with jax.set_mesh(mesh):
+        placed = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)),
+                              (params, x), specs, is_leaf=lambda s: isinstance(s, P))
+        for name, p in programs.items():
+            step = jax.jit(jax.value_and_grad(lambda *a: jnp.mean(p(*a) ** 2), argnums=(0, 1)))
+            got[name] = step(*placed)
+            all_reduces[name] = _all_reduces(step.lower(*placed).compile())
+    for a, b in zip(jax.tree.leaves(got["xmap"]), jax.tree.leaves(got["twin"])):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    (xmap_count, xmap_bytes), (twin_count, twin_bytes) = [
+        (len(a), sum(b for _, b in a)) for a in all_reduces.values()]
+    assert xmap_count <= twin_count and xmap_bytes <= twin_bytes, all_reduces
