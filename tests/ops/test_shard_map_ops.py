@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import nxops as nx
 import nxops.ops
@@ -172,34 +172,76 @@ def _cotangent(case, operands):
     return np.random.default_rng(len(shape)).standard_normal(shape).astype(np.float32)
 
 
-@pytest.mark.parametrize("case,selection", SELECTIONS)
-def test_op_in_shard_map_with_check_vma(case, selection, mesh8):
-    operands, cotangent, value, grads = _unmapped(case, selection)
-    (axis,) = mesh8.axis_names
-    specs = tuple(P() if i in case.replicated else P(axis) for i in range(len(operands)))
-    forward = jax.shard_map(case.body, mesh=mesh8, in_specs=specs, out_specs=P(axis))
-    grads_inside = jax.shard_map(jax.grad(_loss(case.body), argnums=case.diff), mesh=mesh8,
-                                 in_specs=specs + (P(axis),),
-                                 out_specs=tuple(specs[i] for i in case.diff))
-    grads_outside = jax.grad(_loss(forward), argnums=case.diff)
+def _in_shard_map(body, mesh, specs, out_spec, diff, operands, cotangent):
+    """(value, gradients taken outside the shard_map, gradients taken inside
+    its body) of ``body`` in a shard_map over ``mesh``, in one jit."""
+    forward = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_spec)
+    grads_inside = jax.shard_map(jax.grad(_loss(body), argnums=diff), mesh=mesh,
+                                 in_specs=specs + (out_spec,),
+                                 out_specs=tuple(specs[i] for i in diff))
+    grads_outside = jax.grad(_loss(forward), argnums=diff)
 
     @jax.jit
     def everything(*a):
         return forward(*a[:-1]), grads_outside(*a), grads_inside(*a)
 
-    with nx.kernels.use(selection), jax.set_mesh(mesh8):
-        placed = [jax.device_put(x, NamedSharding(mesh8, spec))
-                  for x, spec in zip((*operands, cotangent), specs + (P(axis),))]
-        got, outside, inside = everything(*placed)
+    with jax.set_mesh(mesh):
+        placed = [jax.device_put(x, NamedSharding(mesh, spec))
+                  for x, spec in zip((*operands, cotangent), specs + (out_spec,))]
+        return everything(*placed)
+
+
+def _assert_same(sharded, value, grads):
+    got, outside, inside = sharded
     assert_close(got, value, scale=10)
+    assert len(outside) == len(inside) == len(grads)
     for want, from_outside, from_inside in zip(grads, outside, inside):
         assert_close(from_outside, want, scale=10)
         assert_close(from_inside, want, scale=10)
 
 
-# --- attention over the shard_map's own axis: a ring ---------------------------
+@pytest.mark.parametrize("case,selection", SELECTIONS)
+def test_op_in_shard_map_with_check_vma(case, selection, mesh8):
+    operands, cotangent, value, grads = _unmapped(case, selection)
+    (axis,) = mesh8.axis_names
+    specs = tuple(P() if i in case.replicated else P(axis) for i in range(len(operands)))
+    with nx.kernels.use(selection):
+        sharded = _in_shard_map(case.body, mesh8, specs, P(axis), case.diff, operands, cotangent)
+    _assert_same(sharded, value, grads)
 
 
-@pytest.fixture(params=[AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
-def seq_mesh(request):
-    return jax.make_mesh((4,), ("s",), axis_types=(request.param,))
+# --- attention along the shard_map's own axis: a ring ----------------------------
+
+
+@pytest.mark.parametrize("selection", ["xla", "pallas"])
+def test_attention_with_the_sequence_on_the_shard_map_axis(selection, mesh8):
+    """seq and q_seq name the mesh axis: one query and one key position per
+    device (the shard's sequence dim has length 1), and the keys pass around
+    a ring. The unmapped program is the positional attention over the whole
+    sequence."""
+    (axis,) = mesh8.axis_names
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((2, 3, mesh8.size, 4)).astype(np.float32) for _ in range(3))
+    cotangent = rng.standard_normal(q.shape).astype(np.float32)
+
+    def unmapped(q, k, v):
+        return nx.attention(q, k, v, seq=-2, q_seq=-2, causal=True)
+
+    def body(q, k, v):   # [batch, heads, 1, head]: this device's position
+        out = nx.attention(q[:, :, 0], k[:, :, 0], v[:, :, 0], seq=axis, q_seq=axis,
+                           causal=True)
+        return out[:, :, None]
+
+    diff = (0, 1, 2)
+    with nx.kernels.use(selection):
+        value = unmapped(q, k, v)
+        grads = jax.grad(_loss(unmapped), argnums=diff)(q, k, v, cotangent)
+        with jax.set_mesh(mesh8):
+            placed = [jax.device_put(x, NamedSharding(mesh8, P(None, None, axis)))
+                      for x in (q, k, v)]
+            jaxpr = jax.make_jaxpr(jax.shard_map(body, mesh=mesh8, in_specs=(P(None, None, axis),) * 3,
+                                                 out_specs=P(None, None, axis)))(*placed)
+        sharded = _in_shard_map(body, mesh8, (P(None, None, axis),) * 3, P(None, None, axis), diff,
+                                (q, k, v), cotangent)
+    assert "ppermute" in str(jaxpr)   # a ring, not a gather of every key
+    _assert_same(sharded, value, grads)
