@@ -120,6 +120,10 @@ CASES = [
          pallas=True),
     _cross_entropy("recompute"),
     _cross_entropy("in_forward"),
+    Case("cross_entropy", along_i(lambda h, w, labels: nx.cross_entropy(
+        h, w, labels, hidden="i", vocab=0, vocab_chunk=3), (2, 0, None)),
+         (normal(BATCH, 6, NAMED), normal(NAMED, 7), ints(7, BATCH, 6)), replicated=(1,),
+         diff=(0, 1), pallas=True, variant="named"),
     Case("attention", lambda q, k, v: nx.attention(q, k, v, seq=-2, q_seq=-2, causal=True,
                                                    block=8),
          _QKV, diff=(0, 1, 2), pallas=True, variant="positional"),
