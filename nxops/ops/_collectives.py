@@ -243,7 +243,8 @@ def ppermute(x: ArrayLike, axis_name: AxisNames,
         return lax.ppermute(x, physical[0], perm)   # a full permutation of a vmapped name
     # Otherwise positionally (JAX's ppermute asserts over several vmapped axes,
     # over vmapped and mesh axes together, and over a vmapped axis in a
-    # shard_map body under check_vma=True: see vmap_names_collective).
+    # shard_map body under check_vma=True, where it casts its operand to vary
+    # along the axis as if it were a mesh axis).
     source = np.full(size, -1, np.int32)
     for src, dst in perm:
         source[dst] = src

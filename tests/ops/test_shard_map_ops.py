@@ -9,6 +9,8 @@ give their carries the operands' varying type. Named ops take a vmap name
 (``'i'``) inside the body. Both kernel selections of test_kernel_contexts.py
 (``pallas`` in interpret mode) where the op has a Pallas kernel. The cases
 come from ``nxops.ops.__all__``: a new public op fails here until it has one.
+Then the ops over the mesh axis itself: attention with its sequence there (a
+ring), and an all-to-all over the mesh axis and a vmap name together.
 """
 from __future__ import annotations
 
@@ -249,3 +251,21 @@ def test_attention_with_the_sequence_on_the_shard_map_axis(selection, mesh8):
                                 (q, k, v), cotangent)
     assert "ppermute" in str(jaxpr)   # a ring, not a gather of every key
     _assert_same(sharded, value, grads)
+
+
+# --- a collective over the shard_map's axis and a vmap name together --------------
+
+
+def test_all_to_all_over_the_mesh_axis_and_a_vmap_name(mesh8):
+    """Positions run over (mesh axis, vmap name), major to minor: an
+    all-to-all of one element per pair of positions is the transpose of the
+    positions x elements matrix (NumPy's); its gradient is the cotangent's."""
+    (axis,) = mesh8.axis_names
+    positions = mesh8.size * NAMED
+    x = np.random.default_rng(5).standard_normal((mesh8.size, NAMED, positions))
+    x, cotangent = x.astype(np.float32), np.arange(x.size, dtype=np.float32).reshape(x.shape)
+    body = along_i(lambda r: nx.all_to_all(r, (axis, "i"), 1, 1), 1)
+    sharded = _in_shard_map(body, mesh8, (P(axis),), P(axis), (0,), (x,), cotangent)
+    square = (positions, positions)
+    _assert_same(sharded, x.reshape(square).T.reshape(x.shape),
+                 [cotangent.reshape(square).T.reshape(x.shape)])
