@@ -88,6 +88,40 @@ def vma_checked() -> bool:
     return bool(config._check_vma.value)
 
 
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes ``x`` varies along (its type in a ``shard_map``
+    body under ``check_vma=True``; empty elsewhere). The aval's field is
+    ``manual_axis_type`` on JAX 0.10-0.12; no public accessor."""
+    return frozenset(jax.typeof(x).manual_axis_type.varying)
+
+
+def varying_like(state, *operands):
+    """``state`` (a pytree: a loop's initial carry, a cond's operand) cast to
+    vary along every manual mesh axis that it or any of ``operands`` varies
+    along. Under ``check_vma=True`` a loop's carry must keep its type and a
+    cond's branches must agree, while a step that reads the operands varies
+    along their axes: a carry that starts from a constant (zeros) would not.
+    Outside a ``shard_map`` (or in a kernel lowered on plain avals) it is
+    ``state`` unchanged. The cast transposes to a psum, as JAX's own implicit
+    casts do."""
+    axes = frozenset().union(*(varying_axes(x) for x in jax.tree_util.tree_leaves(operands)))
+
+    def cast(x):
+        missing = axes - varying_axes(x)
+        return lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
+    return jax.tree_util.tree_map(cast, state)
+
+
+def vmap_names_collective():
+    """A context in which to bind a ``lax`` collective whose axes are all vmap
+    names. JAX's collectives first cast their operand to vary along their
+    axes; inside a ``shard_map`` body under ``check_vma=True`` that cast
+    asserts that each axis is a mesh axis, which a vmap name is not (and a
+    vmap name has no varying type to give). The cast is off for the bind.
+    No public alternative."""
+    return config.auto_pcast(False)
+
+
 def scan_split(params) -> tuple[int, int]:
     """(number of consts, number of carries) of a ``scan`` equation's operands.
 

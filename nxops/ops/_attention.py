@@ -27,6 +27,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from nxops._errors import NxopsError
+from nxops._jax import varying_like
 from nxops._typing import ArrayLike
 from nxops.kernels.xla import attention as xla_attention
 from nxops.ops import _axis_env, _collectives, _sum_then_tile
@@ -603,7 +604,8 @@ def _ring_forward(q, k, v, q_pos, k_pos, *, names, count, scale, causal, block, 
 
     rows = jnp.concatenate([jnp.zeros((*q.shape[:-1], v.shape[-1]), jnp.float32),
                             jnp.full((*q.shape[:-1], 1), -jnp.inf, jnp.float32)], -1)
-    (rows, *last), _ = lax.scan(step, (rows, travel(k), travel(v), k_pos), length=count - 1)
+    carry = varying_like((rows, travel(k), travel(v), k_pos), q, k, v, q_pos, k_pos)
+    (rows, *last), _ = lax.scan(step, carry, length=count - 1)
     rows = _attention_step(q, *last, q_pos, rows, step_params)
     return (rows[..., :-1].astype(out_dtype), rows[..., -1]), tuple(last)
 
@@ -633,7 +635,7 @@ def _ring_backward(q, k, v, q_pos, k_pos, o, lse, last, g_o, g_lse, *, names, co
     # (where XLA schedules them beside its output rows when the first share
     # has no branch to create them in: not causal; JAX 0.10.2 drops the barrier).
     zeros, last = lax.optimization_barrier((zeros, tuple(last)))
-    carry = (*share(last, zeros), *last)
+    carry = varying_like((*share(last, zeros), *last), q, k, v, q_pos, k_pos, o, lse, g_o, g_lse)
     (dq, dk, dv, *_), _ = lax.scan(step, carry, length=count - 2)
     dk, dv = _rotated((dk, dv), names, count, backward=True)
     # The local shard as values: the step makes its bits where it reads them

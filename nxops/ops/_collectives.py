@@ -17,6 +17,7 @@ import numpy as np
 from jax import lax
 
 from nxops._errors import NxopsError
+from nxops._jax import vma_checked, vmap_names_collective
 from nxops.kernels import _choice, _reports, _selection
 from nxops._typing import ArrayLike, AxisNames
 from nxops.kernels.xla import collectives as xla_collectives
@@ -173,7 +174,9 @@ def all_to_all(x: ArrayLike, axis_name: AxisNames, split_axis: int, concat_axis:
         # one that is the same at every position. The select's transpose makes
         # the cotangent vary.
         x = _varying_along(x, vmap_names)
-        out = lax.all_to_all(x, _axis_env.one_or_tuple(physical), split_axis, concat_axis, tiled=tiled)
+        with vmap_names_collective():
+            out = lax.all_to_all(x, _axis_env.one_or_tuple(physical), split_axis, concat_axis,
+                                 tiled=tiled)
         return _varying_along(out, vmap_names)
     return lax.all_to_all(x, _axis_env.one_or_tuple(physical), split_axis, concat_axis, tiled=tiled)
 
@@ -212,7 +215,8 @@ def _via_gather(x, axis_name, positional_op):
     result. Exact for any placement (used where XLA has no collective for the
     mix of mesh axes and a local tile), at the cost of an all-gather."""
     everyone = all_gather(x, axis_name, axis=0, tiled=False)
-    results = jax.vmap(positional_op, axis_name=_POSITIONS)(everyone)
+    with vmap_names_collective():   # positional_op's collectives are over _POSITIONS
+        results = jax.vmap(positional_op, axis_name=_POSITIONS)(everyone)
     return results[axis_index(axis_name)]
 
 
@@ -235,10 +239,12 @@ def ppermute(x: ArrayLike, axis_name: AxisNames,
     if mesh_names and not vmap_names:   # lax.ppermute on devices zero-fills partial perms
         names, perm = _perm_in_mesh_order(mesh_names, perm)
         return lax.ppermute(x, _axis_env.one_or_tuple(names), perm)
-    if len(perm) == size and len(physical) == 1:   # a full permutation of a vmapped name
-        return lax.ppermute(x, physical[0], perm)
+    if len(perm) == size and len(physical) == 1 and not vma_checked():
+        return lax.ppermute(x, physical[0], perm)   # a full permutation of a vmapped name
     # Otherwise positionally (JAX's ppermute asserts over several vmapped axes,
-    # or over vmapped and mesh axes together).
+    # over vmapped and mesh axes together, and over a vmapped axis in a
+    # shard_map body under check_vma=True, where it casts its operand to vary
+    # along the axis as if it were a mesh axis).
     source = np.full(size, -1, np.int32)
     for src, dst in perm:
         source[dst] = src

@@ -130,7 +130,8 @@ def _stores_grads(backward: str, tokens, hidden, vocab, kernels: str = "auto") -
 stored_forward_pallas_p = local_primitive(
     "nx_cross_entropy_stored_forward_pallas",
     lambda h, w, labels, *, platform: pallas_cross_entropy.forward_with_grads(
-        h, w, labels, platform=platform), platform_param="platform")
+        h, w, labels, platform=platform), platform_param="platform",
+    typed_by=xla_cross_entropy.forward_with_grads)
 
 
 def _stored_forward_pallas_batcher(vals_in, dims_in, **params):

@@ -215,19 +215,26 @@ def _abstract_eval_many(reference, avals, items, x64: bool):
 
 
 def local_primitive(name: str, reference: Callable[..., Sequence[Any]],
-                    platform_param: str | None = None) -> Primitive:
+                    platform_param: str | None = None,
+                    typed_by: Callable[..., Sequence[Any]] | None = None) -> Primitive:
     """A primitive with several results that always runs ``reference`` (pure
     JAX, every platform; no registry choice): a place for a batching rule of
     its own where JAX's vmap of ``reference`` would do more work. With
     ``platform_param`` (the name of its platform parameter), ``reference``
     may call a Pallas kernel of that platform: it is lowered as kernels are,
-    for the target GPU of the devices the module is lowered for."""
+    for the target GPU of the devices the module is lowered for; then
+    ``typed_by``, its pure-JAX twin (without the platform parameter), gives
+    the results' types (a Pallas call traced in a ``shard_map`` body under
+    ``check_vma=True`` would need its outputs' varying axes, which a kernel
+    does not know)."""
     prim = Primitive(name)
     prim.multiple_results = True
 
     def abstract_eval(*avals, **params):
-        return _abstract_eval_many(reference, tuple(avals), tuple(sorted(params.items())),
-                                   bool(jax.config.jax_enable_x64))
+        if typed_by is not None:
+            params = {k: v for k, v in params.items() if k != platform_param}
+        return _abstract_eval_many(typed_by or reference, tuple(avals),
+                                   tuple(sorted(params.items())), bool(jax.config.jax_enable_x64))
 
     def lower(ctx, *args, **params):
         local_ctx = ctx.replace(avals_in=[_local_aval(a) for a in ctx.avals_in],

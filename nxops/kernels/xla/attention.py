@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from nxops._jax import varying_like
 from nxops.kernels._registry import PLATFORMS, Kernel, register
 
 # Default block (queries and keys per step): one step's f32 scores for 16
@@ -104,13 +105,14 @@ def _forward(q, k, v, q_pos, k_pos, bias, *, scale, causal, block, into=None):
     batch, tq, _ = q.shape
     tk, e = v.shape[1], v.shape[2]
     qb, kb = _Blocks(tq, block_size(tq, block)), _Blocks(tk, block_size(tk, block))
+    operands = (q, k, v, q_pos, k_pos, bias, into)
 
     def initial(i, out):
         """(max, sum of exp, weighted sum) of a query block before these keys."""
         if into is None:
-            return (jnp.full((batch, qb.size), -jnp.inf, jnp.float32),
-                    jnp.zeros((batch, qb.size), jnp.float32),
-                    jnp.zeros((batch, qb.size, e), jnp.float32))
+            return varying_like((jnp.full((batch, qb.size), -jnp.inf, jnp.float32),
+                                 jnp.zeros((batch, qb.size), jnp.float32),
+                                 jnp.zeros((batch, qb.size, e), jnp.float32)), *operands)
         rows = qb.take(out, i)
         lse = rows[..., -1]
         seen = jnp.isfinite(lse)
@@ -153,7 +155,7 @@ def _forward(q, k, v, q_pos, k_pos, bias, *, scale, causal, block, into=None):
         return lax.dynamic_update_slice_in_dim(out, rows, qb.start(i), axis=1)
 
     out = jnp.zeros((batch, tq, e + 1), jnp.float32) if into is None else into
-    return lax.fori_loop(0, qb.count, query_block, out)
+    return lax.fori_loop(0, qb.count, query_block, varying_like(out, *operands))
 
 
 def continued(q, k, v, q_pos, k_pos, into, *, scale, causal, block):
@@ -165,7 +167,7 @@ def continued(q, k, v, q_pos, k_pos, into, *, scale, causal, block):
     return unless_hidden(
         lambda into: _forward(q, k, v, q_pos, k_pos, None, scale=float(scale),
                               causal=bool(causal), block=block, into=into),
-        into, q_pos, k_pos, causal)
+        varying_like(into, q, k, v, q_pos, k_pos), q_pos, k_pos, causal)
 
 
 def unless_hidden(update, accumulators, q_pos, k_pos, causal):
@@ -206,6 +208,7 @@ def _backward_rows(q, k, v, q_pos, k_pos, bias, g_o, lse, row_term, *, scale, ca
     adds each block's share into dq, the only whole f32 accumulator."""
     tq, tk = q.shape[1], k.shape[1]
     qb, kb = _Blocks(tq, block_size(tq, block)), _Blocks(tk, block_size(tk, block))
+    operands = (q, k, v, q_pos, k_pos, bias, g_o, lse, row_term, into)
 
     def key_block(j, carry):
         dk, dv, dq, dbias = carry
@@ -249,13 +252,15 @@ def _backward_rows(q, k, v, q_pos, k_pos, bias, g_o, lse, row_term, *, scale, ca
 
         init = (jnp.zeros(k_blk.shape, jnp.float32), jnp.zeros(v_blk.shape, jnp.float32), dq,
                 dbias)
-        dk_blk, dv_blk, dq, dbias = lax.fori_loop(0, qb.count, query_block, init)
+        dk_blk, dv_blk, dq, dbias = lax.fori_loop(0, qb.count, query_block,
+                                                  varying_like(init, *operands))
         return _add_columns(dk, dk_blk * scale, kb, j), _add_columns(dv, dv_blk, kb, j), dq, dbias
 
     dq, dk, dv = into or (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, k.dtype),
                           jnp.zeros(v.shape, v.dtype))
     dbias = None if bias is None else jnp.zeros(bias.shape, jnp.float32)
-    dk, dv, dq, dbias = lax.fori_loop(0, kb.count, key_block, (dk, dv, dq, dbias))
+    dk, dv, dq, dbias = lax.fori_loop(0, kb.count, key_block,
+                                      varying_like((dk, dv, dq, dbias), *operands))
     return (dq if into else dq.astype(q.dtype)), dk, dv, dbias
 
 
@@ -284,7 +289,8 @@ def partial_gradients(q, k, v, q_pos, k_pos, g_o, lse, row_term, dq, dk, dv, *, 
         return _backward_rows(q, k, v, q_pos, k_pos, None, g_o, lse, row_term,
                               scale=float(scale), causal=bool(causal), block=block,
                               into=accumulators)[:3]
-    return unless_hidden(update, (dq, dk, dv), q_pos, k_pos, causal)
+    accumulators = varying_like((dq, dk, dv), q, k, v, q_pos, k_pos, g_o, lse, row_term)
+    return unless_hidden(update, accumulators, q_pos, k_pos, causal)
 
 
 def _add_rows(acc, rows, start):

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from nxops._jax import varying_like
 from nxops.kernels._registry import PLATFORMS, Kernel, register
 
 # Default columns per step: as many as keep one step's f32 logits within
@@ -114,7 +115,7 @@ def _forward(h, w, labels, size: int):
 
     init = (jnp.full((tokens,), -jnp.inf, F32), jnp.zeros((tokens,), F32),
             jnp.zeros((tokens,), F32))
-    top, total, picked = lax.fori_loop(0, count, step, init)
+    top, total, picked = lax.fori_loop(0, count, step, varying_like(init, h, w, labels))
     shift = jnp.where(jnp.isfinite(top), top, 0.0)
     return shift + jnp.log(total), picked
 
@@ -145,7 +146,8 @@ def _tangent(h, w, labels, lse, dh, dw, size: int):
                 d_picked + jnp.sum(jnp.where(hit, dlogits, 0.0), axis=1))
 
     zeros = jnp.zeros(labels.shape, F32)
-    return jnp.stack(lax.fori_loop(0, count, step, (zeros, zeros)))
+    init = varying_like((zeros, zeros), h, w, labels, lse, dh, dw)
+    return jnp.stack(lax.fori_loop(0, count, step, init))
 
 
 def _live_rows(g_lse, g_picked):
@@ -222,7 +224,8 @@ def _backward_block(h, w, labels, lse, g_lse, g_picked, dw, rows_new, size: int,
         return dh, dw
 
     init = (jnp.zeros(h.shape if need_dh else (0,), F32), dw)
-    return lax.fori_loop(0, count, step, init)
+    return lax.fori_loop(0, count, step,
+                         varying_like(init, h, w, labels, lse, g_lse, g_picked, rows_new))
 
 
 # The recompute backward's loop orders (see ``DH_BLOCK_BYTES``): the token
@@ -263,6 +266,7 @@ def _backward_blocks_inner(h, w, labels, lse, g_lse, g_picked, *, size: int, blo
                                 need_dh=need_dh, need_dw=need_dw)
     count, _ = _chunk_starts(vocab, size)
     live = _live_rows(g_lse, g_picked)
+    operands = (h, w, labels, lse, g_lse, g_picked)
 
     def chunk_step(i, carry):
         dh, dw = carry
@@ -290,7 +294,7 @@ def _backward_blocks_inner(h, w, labels, lse, g_lse, g_picked, *, size: int, blo
                 dw_chunk = dw_chunk + _dot(h_block, dlogits.astype(h.dtype), ((0,), (0,)))
             return dh, dw_chunk
 
-        init = (dh, jnp.zeros((hidden, size) if need_dw else (0,), F32))
+        init = varying_like((dh, jnp.zeros((hidden, size) if need_dw else (0,), F32)), *operands)
         dh, dw_chunk = lax.fori_loop(0, -(-tokens // block), block_step, init)
         if need_dw:
             # The columns shared with the chunk before: recomputed whole, overwritten.
@@ -299,7 +303,7 @@ def _backward_blocks_inner(h, w, labels, lse, g_lse, g_picked, *, size: int, blo
 
     init = (jnp.zeros(h.shape if need_dh else (0,), F32),
             jnp.zeros(w.shape if need_dw else (0,), w.dtype))
-    dh, dw = lax.fori_loop(0, count, chunk_step, init)
+    dh, dw = lax.fori_loop(0, count, chunk_step, varying_like(init, *operands))
     return dh.astype(h.dtype), dw
 
 
@@ -328,7 +332,8 @@ def _backward_blocks(h, w, labels, lse, g_lse, g_picked, *, size: int, block: in
         return dh, dw
 
     dh = jnp.zeros(h.shape if need_dh else (0,), h.dtype)
-    return lax.fori_loop(0, -(-tokens // block), step, (dh, dw))
+    init = varying_like((dh, dw), h, w, labels, lse, g_lse, g_picked)
+    return lax.fori_loop(0, -(-tokens // block), step, init)
 
 
 def forward(h, w, labels, size: int) -> jax.Array:
@@ -443,7 +448,7 @@ def forward_with_grads_by(h, w, labels, block_softmax):
     first = products(0)
     init = (*write((jnp.zeros((tokens,), F32), jnp.zeros((tokens, hidden), F32)), first),
             first[3])
-    lse, dh_unit, dw_unit = lax.fori_loop(1, count, step, init)
+    lse, dh_unit, dw_unit = lax.fori_loop(1, count, step, varying_like(init, h, w, labels))
     return jnp.stack([lse, label_logits(h, w, labels)]), dh_unit, dw_unit
 
 
@@ -484,7 +489,10 @@ def backward_from_stored(h, w, labels, lse, g, dh_unit, dw_unit, size: int,
         def recomputed():
             return _backward(h, w, labels, lse, g_lse, g_picked, size, need_dh=False)[1]
 
-        dw = lax.cond(uniform, scaled, recomputed)
+        # Both branches typed alike (check_vma): each may read fewer operands.
+        operands = (h, w, labels, lse, g, dh_unit, dw_unit)
+        dw = lax.cond(uniform, lambda: varying_like(scaled(), *operands),
+                      lambda: varying_like(recomputed(), *operands))
     return dh, dw
 
 
