@@ -46,3 +46,9 @@ def assert_close(got, want, dtype=np.float32, scale: float = 1.0, *,
     assert got.shape == want.shape, (got.shape, want.shape)
     np.testing.assert_allclose(got, want, rtol=tol * relative_scale, atol=tol * scale)
 
+
+
+def max_abs(x) -> float:
+    """The largest magnitude in ``x`` (a tolerance's scale), in NumPy: an eager
+    jnp op would compile a program for every shape it meets."""
+    return float(np.max(np.abs(np.asarray(x))))

@@ -34,6 +34,8 @@ import jax
 from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec
 
+from nxops._supported_jax import _release
+
 
 TARGETS = pathlib.Path(__file__).with_name("targets")
 
@@ -146,11 +148,17 @@ def compile_gpu(fn: Callable, *args: jax.ShapeDtypeStruct, arch: str = "h100",
     with tempfile.TemporaryDirectory() as dump, jax.set_mesh(mesh), \
             _triton_kernels_dumped(pathlib.Path(dump) / "triton") as launches:
         compiled = jax.jit(fn).trace(*placed).lower().compile(
-            # XLA (JAX 0.12) dumps each kernel's PTX only for emitters this matches
-            compiler_options={"xla_dump_to": dump, "xla_dump_emitter_re": ".*"})
+            compiler_options={"xla_dump_to": dump, **_PTX_DUMP_OPTIONS})
         kernels = _read_dump(pathlib.Path(dump), ARCHS[arch])
         kernels += _read_triton_dump(pathlib.Path(dump) / "triton", launches, ARCHS[arch])
     return GpuCompileReport(ARCHS[arch], compiled, compiled.as_text(), kernels)
+
+
+# XLA in JAX 0.12 dumps a kernel's PTX only for the emitters this matches (set
+# from 0.11 on). JAX 0.10's XLA dumps every module's PTX anyway, and with it
+# would also dump each Triton pass's IR: about 10 MB and 12 s per Pallas kernel.
+_PTX_DUMP_OPTIONS = ({} if _release(jax.__version__) < (0, 11)
+                     else {"xla_dump_emitter_re": ".*"})
 
 
 @functools.lru_cache(maxsize=None)

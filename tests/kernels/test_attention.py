@@ -103,7 +103,7 @@ def test_values_and_gradients_match_the_materialized_program(small_blocks, dtype
                              dtype, scale=4.0)
     for name, got, want in zip("q k v bias".split(), got_grads, want_grads):
         assert got.dtype == want.dtype and got.shape == want.shape, name
-        _tolerances.assert_close(got, want, dtype, scale=float(jnp.max(jnp.abs(want))) * 4)
+        _tolerances.assert_close(got, want, dtype, scale=_tolerances.max_abs(want) * 4)
 
 
 def test_grouped_query_attention_through_nx_attention_selects_the_kernel():
@@ -136,7 +136,7 @@ def test_grouped_query_attention_through_nx_attention_selects_the_kernel():
     assert got_out.dtype == jnp.bfloat16
     _tolerances.assert_close(got_out, want_out, jnp.bfloat16, scale=2.0)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        _tolerances.assert_close(g, w, jnp.bfloat16, scale=float(jnp.max(jnp.abs(w))) * 2)
+        _tolerances.assert_close(g, w, jnp.bfloat16, scale=_tolerances.max_abs(w) * 2)
 
 
 def test_vmap_of_grad_gives_each_member_its_own_gradient():
@@ -161,7 +161,7 @@ def test_vmap_of_grad_gives_each_member_its_own_gradient():
     want = per_member(by_hand)(q, k, v)
     for g, w in zip(got, want):
         assert g.shape == w.shape
-        _tolerances.assert_close(g, w, jnp.float32, scale=float(jnp.max(jnp.abs(w))) * 4)
+        _tolerances.assert_close(g, w, jnp.float32, scale=_tolerances.max_abs(w) * 4)
 
 
 def test_declines_what_it_cannot_take():
