@@ -369,8 +369,14 @@ def _reduce_over_mesh(y, mesh_names, op: str, ties=None):
 
 def _reduced_dtype(dtype, op: str):
     """The dtype of ``op`` over positional axes of a ``dtype`` value: the
-    reference kernel's (jnp's), under the x64 setting in force."""
-    return _reduced_dtype_cached(jnp.dtype(dtype), op, bool(jax.config.jax_enable_x64))
+    reference kernel's (jnp's), under the x64 setting in force. Every op
+    keeps a float dtype JAX holds as is (not float64 without x64): known
+    without the trace the cache would make on its first use, which every
+    psum of a float in a fresh process would otherwise pay."""
+    dtype, x64 = jnp.dtype(dtype), bool(jax.config.jax_enable_x64)
+    if jnp.issubdtype(dtype, jnp.floating) and (x64 or dtype.itemsize <= 4):
+        return dtype
+    return _reduced_dtype_cached(dtype, op, x64)
 
 
 @functools.lru_cache(maxsize=256)
