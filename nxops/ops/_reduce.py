@@ -369,19 +369,17 @@ def _reduce_over_mesh(y, mesh_names, op: str, ties=None):
 
 def _reduced_dtype(dtype, op: str):
     """The dtype of ``op`` over positional axes of a ``dtype`` value: the
-    reference kernel's (jnp's), under the x64 setting in force. Every op
-    keeps a float dtype JAX holds as is (not float64 without x64): known
-    without the trace the cache would make on its first use, which every
-    psum of a float in a fresh process would otherwise pay."""
-    dtype, x64 = jnp.dtype(dtype), bool(jax.config.jax_enable_x64)
-    if jnp.issubdtype(dtype, jnp.floating) and (x64 or dtype.itemsize <= 4):
-        return dtype
-    return _reduced_dtype_cached(dtype, op, x64)
+    reference kernel's (jnp's), under the x64 setting in force."""
+    return _reduced_dtype_cached(jnp.dtype(dtype), op, bool(jax.config.jax_enable_x64))
 
 
 @functools.lru_cache(maxsize=256)
 def _reduced_dtype_cached(dtype, op: str, x64: bool):
-    del x64   # a cache key only: it changes jnp's promotions
+    # Every op keeps a float dtype JAX holds as is (not float64 without x64):
+    # known without the trace, which every first psum of a float in a fresh
+    # process would otherwise pay.
+    if jnp.issubdtype(dtype, jnp.floating) and (x64 or dtype.itemsize <= 4):
+        return dtype
     reference = functools.partial(xla_reduce.reduce, axes=(0,), op=op)
     return jax.eval_shape(reference, jax.ShapeDtypeStruct((1,), dtype)).dtype
 
