@@ -31,6 +31,7 @@ alternates per round); the table holds the medians.
     python -m bench.bench_first_call --rounds 3 --programs gptj_stack
     python -m bench.bench_first_call --lower-in-process 15 --programs fg_mlp training_step
     python -m bench.bench_first_call --calls-per-lower 3 --programs fg_mlp training_step
+    python -m bench.bench_first_call --calls-first-call --programs fg_mlp training_step
     python -m bench.bench_first_call --worker fg_mlp 2 xmap  # one sample, as JSON
 """
 from __future__ import annotations
@@ -229,37 +230,52 @@ def lower_ratios(program: str, mp: int, repeats: int, gptj_layers: int = GPTJ_LA
             "ratio": statistics.median(ratios)}
 
 
+def _calls(run) -> int:
+    """The Python function calls (and C calls) ``run()`` makes."""
+    calls = [0]
+
+    def hook(frame, event, arg):
+        if event in ("call", "c_call"):
+            calls[0] += 1
+    sys.setprofile(hook)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return calls[0]
+
+
+def first_call_calls(program: str, mp: int, impl: str, gptj_layers: int = GPTJ_LAYERS) -> int:
+    """In this (fresh) process: the Python calls of the first call of a
+    jitted step (trace + lower + compile + run), caches cold as a user's."""
+    _setup_devices()
+    import jax
+    import jax.numpy as jnp
+
+    with _on_mesh(program, mp, gptj_layers) as (makers, args):
+        jax.block_until_ready(jax.jit(lambda a: a + 1)(jnp.ones(2)))   # the runtime, started
+        step = _step(makers[impl])
+        return _calls(lambda: jax.block_until_ready(step(*args)))
+
+
 def calls_per_lower(program: str, mp: int, repeats: int, gptj_layers: int = GPTJ_LAYERS) -> dict:
     """In this process: the Python function calls (and C calls) one trace +
     lower of a fresh step makes, per implementation, after one warm-up each.
     The same count on any load, so a steady proxy for the time it takes."""
-    def count(impl: str, makers, args) -> int:
-        calls = [0]
-
-        def hook(frame, event, arg):
-            if event in ("call", "c_call"):
-                calls[0] += 1
-        step = _step(makers[impl])
-        sys.setprofile(hook)
-        try:
-            step.lower(*args)
-        finally:
-            sys.setprofile(None)
-        return calls[0]
-
     with _on_mesh(program, mp, gptj_layers) as (makers, args):
         counts: dict = {impl: [] for impl in IMPLS}
         for r in range(repeats + 1):
             for impl in IMPLS:
-                n = count(impl, makers, args)
+                step = _step(makers[impl])
+                n = _calls(lambda: step.lower(*args))
                 if r:   # round 0 warms up
                     counts[impl].append(n)
     return {impl: statistics.median(counts[impl]) for impl in IMPLS}
 
 
-def _sample(program: str, mp: int, impl: str, gptj_layers: int) -> dict:
+def _sample(program: str, mp: int, impl: str, gptj_layers: int, *flags: str) -> dict:
     out = subprocess.run([sys.executable, "-m", "bench.bench_first_call", "--worker", program,
-                          str(mp), impl, "--gptj-layers", str(gptj_layers)],
+                          str(mp), impl, "--gptj-layers", str(gptj_layers), *flags],
                          capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -325,10 +341,21 @@ def main(argv=None) -> None:
                         help="only trace + lower, ROUNDS interleaved rounds in this process")
     parser.add_argument("--calls-per-lower", type=int, metavar="ROUNDS",
                         help="only count the Python calls of one trace + lower (median of ROUNDS)")
+    parser.add_argument("--calls-first-call", action="store_true",
+                        help="only count the Python calls of the first call, in a fresh process")
     args = parser.parse_args(argv)
     if args.worker:
         program, mp, impl = args.worker
-        print(json.dumps(worker(program, int(mp), impl, args.gptj_layers)))
+        print(json.dumps(first_call_calls(program, int(mp), impl, args.gptj_layers)
+                         if args.calls_first_call else
+                         worker(program, int(mp), impl, args.gptj_layers)))
+        return
+    if args.calls_first_call:
+        def first_calls(program, mp):
+            c = {impl: _sample(program, mp, impl, args.gptj_layers, "--calls-first-call")
+                 for impl in IMPLS}
+            return f"{c['xmap']} / {c['twin']} = **{c['xmap'] / c['twin']:.2f}x**"
+        _table(args, "Python calls of the first call (fresh process), xmap / twin", first_calls)
         return
     if args.calls_per_lower:
         def calls(program, mp):

@@ -375,7 +375,11 @@ def _reduced_dtype(dtype, op: str):
 
 @functools.lru_cache(maxsize=256)
 def _reduced_dtype_cached(dtype, op: str, x64: bool):
-    del x64   # a cache key only: it changes jnp's promotions
+    # Every op keeps a float dtype JAX holds as is (not float64 without x64):
+    # known without the trace, which every first psum of a float in a fresh
+    # process would otherwise pay.
+    if jnp.issubdtype(dtype, jnp.floating) and (x64 or dtype.itemsize <= 4):
+        return dtype
     reference = functools.partial(xla_reduce.reduce, axes=(0,), op=op)
     return jax.eval_shape(reference, jax.ShapeDtypeStruct((1,), dtype)).dtype
 

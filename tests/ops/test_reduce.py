@@ -233,3 +233,25 @@ def test_psum_of_a_static_value_is_static():
     hot = jax.vmap(lambda _: nx.one_hot(np.array([1, 0]), nx.psum(1, "c"), axis=0), axis_name="c",
                    out_axes=None)(np.zeros(3))
     np.testing.assert_array_equal(hot, np.eye(3)[:, [1, 0]])
+
+
+FLOAT_DTYPES = ["float16", "bfloat16", "float32", "float64"] + [
+    name for name in dir(jnp) if name.startswith(("float8_", "float4_"))]
+JNP_REDUCERS = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min, "prod": jnp.prod,
+                "logsumexp": jax.nn.logsumexp}
+
+
+@pytest.mark.parametrize("x64", [False, True])
+def test_local_dtype_of_a_mesh_reduction_of_floats_is_jnps(x64):
+    """The dtype a reduction of a float over mesh names alone casts to (known
+    without a trace) is the one jnp's reduction of that dtype gives."""
+    from nxops.ops._reduce import _reduced_dtype
+    with jax.enable_x64(x64):
+        for name in FLOAT_DTYPES:
+            for op, reducer in JNP_REDUCERS.items():
+                try:
+                    expected = jax.eval_shape(lambda x: reducer(x, axis=0),
+                                              jax.ShapeDtypeStruct((1,), jnp.dtype(name))).dtype
+                except Exception:   # jnp refuses this dtype for this op
+                    continue
+                assert _reduced_dtype(jnp.dtype(name), op) == expected, (name, op)
