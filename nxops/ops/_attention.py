@@ -133,7 +133,7 @@ def _step_with_kernel(attend, q, k, v, q_pos, k_pos, rows, *, scale, causal, blo
                      need_lse=True)
         o, lse = _merged(rows[..., :-1], rows[..., -1], new[..., :-1], new[..., -1])
         return jnp.concatenate([o, lse[..., None]], -1)
-    return (xla_attention.unless_hidden(update, rows, q_pos, k_pos, causal),)
+    return (xla_attention.unless_hidden(update, rows, q_pos, k_pos, causal, q, k, v),)
 
 
 def _gradients_with_kernel(backward, q, k, v, q_pos, k_pos, g_o, lse, row_term, dq, dk, dv, *,
@@ -148,7 +148,8 @@ def _gradients_with_kernel(backward, q, k, v, q_pos, k_pos, g_o, lse, row_term, 
         shares = backward(q, k, v, q_pos, k_pos, g_o, lse, row_term, scale=scale,
                           causal=causal, block=block)
         return tuple(a + s.astype(jnp.float32) for a, s in zip(accumulators, shares))
-    return xla_attention.unless_hidden(update, (dq, dk, dv), q_pos, k_pos, causal)
+    return xla_attention.unless_hidden(update, (dq, dk, dv), q_pos, k_pos, causal,
+                                       q, k, v, g_o, lse, row_term)
 
 
 def _per_member(positions, x):
@@ -167,7 +168,8 @@ def _gradients_reference(q, k, v, q_pos, k_pos, g_o, lse, row_term, dq, dk, dv, 
         return xla_attention.partial_gradients(q, _as_bits(k), _as_bits(v), q_pos, k_pos, g_o,
                                                lse, row_term, *accumulators, scale=scale,
                                                causal=causal, block=block)
-    return xla_attention.unless_hidden(update, (dq, dk, dv), q_pos, k_pos, causal)
+    return xla_attention.unless_hidden(update, (dq, dk, dv), q_pos, k_pos, causal,
+                                       q, k, v, g_o, lse, row_term)
 
 
 partial_gradients_p = step_primitive("nx_attention_partial_gradients", "attention_backward",

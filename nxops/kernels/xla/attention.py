@@ -167,13 +167,16 @@ def continued(q, k, v, q_pos, k_pos, into, *, scale, causal, block):
     return unless_hidden(
         lambda into: _forward(q, k, v, q_pos, k_pos, None, scale=float(scale),
                               causal=bool(causal), block=block, into=into),
-        varying_like(into, q, k, v, q_pos, k_pos), q_pos, k_pos, causal)
+        into, q_pos, k_pos, causal, q, k, v)
 
 
-def unless_hidden(update, accumulators, q_pos, k_pos, causal):
+def unless_hidden(update, accumulators, q_pos, k_pos, causal, *operands):
     """``update(accumulators)``, or the accumulators as they are where the
     causal mask hides every key from every query (a ring's shard of later
-    keys: one branch, not a loop over empty blocks)."""
+    keys: one branch, not a loop over empty blocks). ``operands``: the arrays
+    ``update`` reads, whose varying mesh axes (inside a ``check_vma``
+    shard_map) the accumulators take, so that both branches agree."""
+    accumulators = varying_like(accumulators, q_pos, k_pos, *operands)
     if not causal:
         return update(accumulators)
     return lax.cond(_visible(q_pos, k_pos, True), update, lambda x: x, accumulators)
@@ -289,8 +292,7 @@ def partial_gradients(q, k, v, q_pos, k_pos, g_o, lse, row_term, dq, dk, dv, *, 
         return _backward_rows(q, k, v, q_pos, k_pos, None, g_o, lse, row_term,
                               scale=float(scale), causal=bool(causal), block=block,
                               into=accumulators)[:3]
-    accumulators = varying_like((dq, dk, dv), q, k, v, q_pos, k_pos, g_o, lse, row_term)
-    return unless_hidden(update, accumulators, q_pos, k_pos, causal)
+    return unless_hidden(update, (dq, dk, dv), q_pos, k_pos, causal, q, k, v, g_o, lse, row_term)
 
 
 def _add_rows(acc, rows, start):
