@@ -54,7 +54,10 @@ rerun_workers() {   # NXOPS_RERUN_WORKERS=N (N > 1): the rerun on N pytest-xdist
 pytest_both() {   # pytest args...: in $VENV, then what it skipped in $COMPILE_VENV
   local skipped status=0 ids
   skipped=$(mktemp)
-  NXOPS_SKIPPED_LOG=$skipped python -m pytest -q --durations=25 "$@" || status=$?
+  # Every test's time, per stack, for finding where CI's time goes (.ci-junit-py311.xml)
+  NXOPS_SKIPPED_LOG=$skipped python -m pytest -q --durations=25 \
+    --junitxml=".ci-junit-py$(python -c 'import sys; print("%d%d" % sys.version_info[:2])').xml" \
+    "$@" || status=$?
   if [ -s "$skipped" ]; then
     mapfile -t ids < <(sort -u "$skipped")
     compile_venv_ready || return
