@@ -120,40 +120,15 @@ def _training_step(mp: int):
 
 def _gptj_stack(mp: int, layers: int = GPTJ_LAYERS):
     import jax
-    from jax.sharding import PartitionSpec as P
 
-    import nxops as nx
-    from tests._megatron import (GPTJ_AXES, fg_operators, fg_operators_typed, gptj_layer,
-                                 gptj_params)
+    from tests._megatron import gptj_params, gptj_stack
 
     T, D, HEADS, HEAD_DIM, FFN = 16, 64, 8, 8, 256
-
-    def stack(operators):
-        def forward(params, x):
-            f, g = operators()
-            for p in params:
-                x = gptj_layer(p, x, f, g, HEAD_DIM)
-            return x
-        return forward
-
     keys = jax.random.split(jax.random.key(0), layers + 1)
     params = [gptj_params(k, shards=mp, model=D, heads=HEADS, head_dim=HEAD_DIM, ffn=FFN)
               for k in keys[1:]]
     operands = (params, jax.random.normal(keys[0], (DP, T, D)))
-    layer_specs = {"ln": P(), "qkv": P("mp"), "out": P("mp"), "ffn_in": P("mp"),
-                   "ffn_out": P("mp")}
-    specs = ([layer_specs] * layers, P("dp"))
-
-    def xmapped():
-        return nx.xmap(stack(lambda: fg_operators(nx.psum, "s")),
-                       ([GPTJ_AXES] * layers, ["b", ...]), ["b", ...],
-                       axis_resources={"b": "dp", "s": "mp"})
-
-    def twin():
-        def local(params, x):
-            shard = [{n: w if n == "ln" else w[0] for n, w in p.items()} for p in params]
-            return stack(lambda: fg_operators_typed("mp"))(shard, x[0])[None]
-        return jax.shard_map(local, in_specs=specs, out_specs=P("dp"), check_vma=True)
+    xmapped, twin, specs = gptj_stack(layers, HEAD_DIM)
     return {"xmap": xmapped, "twin": twin}, operands, specs
 
 

@@ -6,6 +6,7 @@ scores materialized) or ``nx.attention``."""
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 import nxops as nx
 
@@ -118,3 +119,33 @@ def gptj_layer(p, x, f, g, head_dim, attention=materialized_attention, seq=None)
     heads = attention(q, k, v, seq)
     mlp = jax.nn.gelu(h @ p["ffn_in"]) @ p["ffn_out"]
     return x + g(heads.reshape(*x.shape[:-1], -1) @ p["out"] + mlp)
+
+
+def gptj_stack(layers, head_dim):
+    """GPT-J's layers in sequence, as ``nx.xmap`` (over the model shards
+    ``"s"``, on mesh axis ``"mp"``; the batch ``"b"`` on ``"dp"``) and as its
+    hand-written ``shard_map(check_vma=True)`` twin, whose typed f/g give the
+    same gradients: (xmapped, twin, specs), the twin's in_specs being specs."""
+    def stack(operators):
+        def forward(params, x):
+            f, g = operators()
+            for p in params:
+                x = gptj_layer(p, x, f, g, head_dim)
+            return x
+        return forward
+
+    def local(params, x):   # one shard's weights: the leading shard dim dropped
+        shard = [{n: w if n == "ln" else w[0] for n, w in p.items()} for p in params]
+        return stack(lambda: fg_operators_typed("mp"))(shard, x[0])[None]
+    layer_specs = {"ln": P(), "qkv": P("mp"), "out": P("mp"), "ffn_in": P("mp"),
+                   "ffn_out": P("mp")}
+    specs = ([layer_specs] * layers, P("dp"))
+
+    def xmapped():
+        return nx.xmap(stack(lambda: fg_operators(nx.psum, "s")),
+                       ([GPTJ_AXES] * layers, ["b", ...]), ["b", ...],
+                       axis_resources={"b": "dp", "s": "mp"})
+
+    def twin():
+        return jax.shard_map(local, in_specs=specs, out_specs=P("dp"), check_vma=True)
+    return xmapped, twin, specs

@@ -275,32 +275,14 @@ def test_fg_stack_grad_outside_needs_no_more_all_reduces_than_its_typed_twin():
     every device, so no g sums its cotangent; the check_vma=True twin, which
     computes the same gradients, runs at least as many all-reduces."""
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from tests._megatron import (GPTJ_AXES, fg_operators_typed, gptj_layer, gptj_params)
+    from tests._megatron import gptj_params, gptj_stack
     mp, layers, head_dim = 2, 2, 8
     keys = jax.random.split(jax.random.key(3), layers + 1)
     params = [gptj_params(k, shards=mp, model=32, heads=4, head_dim=head_dim, ffn=64)
               for k in keys[1:]]
     x = jax.random.normal(keys[0], (2, 8, 32))
-
-    def stack(operators):
-        def forward(params, x):
-            f, g = operators()
-            for p in params:
-                x = gptj_layer(p, x, f, g, head_dim)
-            return x
-        return forward
-
-    def local(params, x):
-        shard = [{n: w if n == "ln" else w[0] for n, w in p.items()} for p in params]
-        return stack(lambda: fg_operators_typed("mp"))(shard, x[0])[None]
-    layer_specs = {"ln": P(), "qkv": P("mp"), "out": P("mp"), "ffn_in": P("mp"),
-                   "ffn_out": P("mp")}
-    specs = ([layer_specs] * layers, P("dp"))
-    programs = {
-        "xmap": nx.xmap(stack(lambda: fg_operators(nx.psum, "s")),
-                        ([GPTJ_AXES] * layers, ["b", ...]), ["b", ...],
-                        axis_resources={"b": "dp", "s": "mp"}),
-        "twin": jax.shard_map(local, in_specs=specs, out_specs=P("dp"), check_vma=True)}
+    xmapped, twin, specs = gptj_stack(layers, head_dim)
+    programs = {"xmap": xmapped(), "twin": twin()}
     mesh = jax.make_mesh((2, mp), ("dp", "mp"), devices=jax.devices()[:2 * mp])
     got, all_reduces = {}, {}
     with jax.set_mesh(mesh):
