@@ -57,18 +57,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
 import pathlib
 import re
 import sys
 import tempfile
 import time
 from typing import Any, Callable
-
-# libtpu takes a machine-wide lock file unless told that several processes may
-# load it: compile-only clients of several engineers (and of a test run beside
-# a table run) share this machine.
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax
 

@@ -27,6 +27,13 @@ import re
 import sys
 from typing import Any, Callable
 
+# libtpu takes the machine-wide /tmp/libtpu_lockfile unless told that several
+# processes may load it. Compiling touches no TPU, and several clients do
+# load it at once here: pytest-xdist's workers, both CI stacks, a table run
+# beside a test run. A lockfile another process or user holds otherwise fails
+# every compile ("Internal error when accessing libtpu multi-process lockfile").
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
 import jax
 import numpy as np
 from jax.experimental import topologies
