@@ -8,6 +8,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # `auto` reads this machine's measured tables first: the tests see only the
 # shipped ones (and the tables they write themselves).
 os.environ["NXOPS_MEASURED_DIR"] = tempfile.mkdtemp(prefix="nxops-tests-measured-")
+# Tests stage the same program many times (each placement of an oracle case, a
+# twin beside its xmap, a closure retraced per parameter): JAX's persistent
+# cache, keyed by the program's fingerprint, lets XLA compile each once per run.
+# A fresh directory per run, so no run reads another's executables.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="nxops-tests-xla-"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 
 import contextlib

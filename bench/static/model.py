@@ -66,7 +66,7 @@ from typing import Any, Callable
 
 import jax
 
-from tests._deviceless import gpu, tpu
+from tests._deviceless import gpu, tpu, uncached
 
 GPU_OVERHEAD = 2e-6
 TPU_OVERHEAD = 0.5e-6
@@ -417,12 +417,12 @@ def estimate_lowered(lowered, machine: str, selection: str) -> Estimate:
     m = MACHINES[machine]
     grids: dict[str, list[int]] = {}
     if m.kind == "gpu":
-        with tempfile.TemporaryDirectory() as dump:
+        with tempfile.TemporaryDirectory() as dump, uncached():
             compiled = lowered.compile(compiler_options={
                 "xla_dump_to": dump, "xla_gpu_enable_triton_gemm": False})
             grids = _gpu_grids(pathlib.Path(dump))
     else:
-        with tpu._quiet_libtpu():
+        with tpu._quiet_libtpu(), uncached():
             compiled = lowered.compile()
     return Estimate(machine, selection, timed_launches(compiled.as_text(), machine, grids))
 

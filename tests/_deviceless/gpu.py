@@ -35,6 +35,7 @@ from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec
 
 from nxops._supported_jax import _release
+from tests._deviceless import uncached
 
 
 TARGETS = pathlib.Path(__file__).with_name("targets")
@@ -145,7 +146,7 @@ def compile_gpu(fn: Callable, *args: jax.ShapeDtypeStruct, arch: str = "h100",
     placed = [a if getattr(a, "sharding", None) is not None else
               jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, PartitionSpec()))
               for a in args]
-    with tempfile.TemporaryDirectory() as dump, jax.set_mesh(mesh), \
+    with tempfile.TemporaryDirectory() as dump, jax.set_mesh(mesh), uncached(), \
             _triton_kernels_dumped(pathlib.Path(dump) / "triton") as launches:
         compiled = jax.jit(fn).trace(*placed).lower().compile(
             compiler_options={"xla_dump_to": dump, **_PTX_DUMP_OPTIONS})

@@ -39,6 +39,8 @@ import numpy as np
 from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec
 
+from tests._deviceless import uncached
+
 TOPOLOGIES = {"v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2", "v4": "v4:2x2x1"}
 
 
@@ -103,7 +105,7 @@ def compile_tpu(fn: Callable, *args: jax.ShapeDtypeStruct, chip: str = "v5e",
                                     sharding=NamedSharding(mesh, PartitionSpec("x"))) for a in args]
     body = jax.shard_map(fn, mesh=mesh, in_specs=PartitionSpec("x"), out_specs=PartitionSpec("x"),
                          check_vma=check_vma)
-    with jax.set_mesh(mesh), _quiet_libtpu():
+    with jax.set_mesh(mesh), _quiet_libtpu(), uncached():
         compiled = jax.jit(body).trace(*stacked).lower().compile()
     text = compiled.as_text()
     memory = compiled.memory_analysis()
