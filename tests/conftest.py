@@ -1,5 +1,7 @@
 """Test setup: 8 simulated CPU devices, set before JAX is imported."""
+import atexit
 import os
+import shutil
 import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -11,8 +13,11 @@ os.environ["NXOPS_MEASURED_DIR"] = tempfile.mkdtemp(prefix="nxops-tests-measured
 # Tests stage the same program many times (each placement of an oracle case, a
 # twin beside its xmap, a closure retraced per parameter): JAX's persistent
 # cache, keyed by the program's fingerprint, lets XLA compile each once per run.
-# A fresh directory per run, so no run reads another's executables.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="nxops-tests-xla-"))
+# A fresh directory per run (about 80 MB for the suite), removed at its end, so
+# no run reads another's executables.
+_XLA_CACHE = tempfile.mkdtemp(prefix="nxops-tests-xla-")
+atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _XLA_CACHE)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
