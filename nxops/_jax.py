@@ -10,6 +10,7 @@ alternative, if any. Modules import these names from here, never from
 from __future__ import annotations
 
 import contextvars
+import functools
 import inspect
 from typing import Callable
 
@@ -351,14 +352,25 @@ def stage_to_evaluate(fun: Callable, *args):
 
     def flat_fun(*leaves):
         return fun(*jax.tree.unflatten(tree, leaves))
-    debug = api_util.debug_info("nx.xmap", flat_fun, flat, {})
     token = _KEEP_JIT_CALLS.set(True)
     try:
         jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
-            _lu.wrap_init(flat_fun, debug_info=debug), [jax.typeof(x) for x in flat])
+            _lu.wrap_init(flat_fun, debug_info=_staged_debug_info(len(flat))),
+            [jax.typeof(x) for x in flat])
     finally:
         _KEEP_JIT_CALLS.reset(token)
     return ClosedJaxpr(jaxpr, consts)
+
+
+@functools.lru_cache(maxsize=None)
+def _staged_debug_info(n_args: int):
+    """The debug info of a ``stage_to_evaluate`` trace of ``n_args`` leaves:
+    the same for every function it stages (a ``*leaves`` function of this
+    module; the jaxpr is evaluated, so no name in it reaches a program), so
+    made once per count, not from the function's signature at every trace."""
+    def flat_fun(*leaves):
+        del leaves
+    return api_util.debug_info("nx.xmap", flat_fun, [None] * n_args, {})
 
 
 def eval_closed_jaxpr(closed, *args) -> list:
