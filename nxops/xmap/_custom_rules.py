@@ -51,7 +51,12 @@ from nxops.xmap._varying import (_CUSTOM_RULE_PRIMITIVES, NO_NAMES, Names, Varyi
 
 def _float(x) -> bool:
     """An inexact array (a cotangent, not float0, nor bwd's marker for None)."""
-    return isinstance(x, jax.Array) and jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)
+    return isinstance(x, jax.Array) and _inexact(x.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _inexact(dtype) -> bool:
+    return jax.numpy.issubdtype(dtype, jax.numpy.inexact)
 
 
 def walk_program(jaxpr, in_mesh_axes: Sequence, plan, typed: bool,
