@@ -400,9 +400,10 @@ def stage_to_evaluate(fun: Callable, *args):
     finally:
         _STAGING.reset(tokens[1])
         _KEEP_JIT_CALLS.reset(tokens[0])
-    if staging.rules:
-        _STAGED_RULES[jaxpr] = staging.rules
-    return ClosedJaxpr(jaxpr, consts)
+    closed = ClosedJaxpr(jaxpr, consts)
+    if staging.rules:   # (JAX 0.12's ClosedJaxpr is a new Jaxpr: its .jaxpr is itself)
+        _STAGED_RULES[closed.jaxpr] = staging.rules
+    return closed
 
 
 @functools.lru_cache(maxsize=None)
