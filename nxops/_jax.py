@@ -10,7 +10,9 @@ alternative, if any. Modules import these names from here, never from
 from __future__ import annotations
 
 import contextvars
+import functools
 import inspect
+import weakref
 from typing import Callable
 
 import jax
@@ -263,7 +265,9 @@ def wrap_custom_rules(wrap) -> None:
                 subfuns = tuple(f.wrap(_through, (w,), None) if isinstance(f, lu.WrappedFun)
                                 else _WrappedRule(f, w) for f, w in zip(subfuns, wrappers))
                 params = {**params, "subfuns": subfuns}
-            return _bind(_p, trace, args, avals, params)
+            outs = _bind(_p, trace, args, avals, params)
+            _note_staged_rules(trace, outs, subfuns)
+            return outs
 
         primitive.bind_with_trace = hooked
 
@@ -328,9 +332,9 @@ except ImportError:  # pragma: no cover - a JAX where it moved
 
 
 def _jit_staging_rule(trace, source_info, *args, **params):
-    jaxpr = params["jaxpr"]
+    consts = params["jaxpr"].consts
     if (_KEEP_JIT_CALLS.get() and not params.get("compiler_options_kvs")
-            and not any(isinstance(c, core.Ref) for c in jaxpr.consts)):
+            and not (consts and any(isinstance(c, core.Ref) for c in consts))):
         return trace.default_process_primitive(_jit_p, args, params, source_info=source_info)
     return _inlining_jit_rule(trace, source_info, *args, **params)
 
@@ -339,54 +343,131 @@ if _inlining_jit_rule is not None:
     pe.custom_staging_rules[_jit_p] = _jit_staging_rule
 
 
+# The custom_jvp/custom_vjp calls of a jaxpr that ``stage_to_evaluate``
+# staged, evaluated with the rules they were bound with. JAX stages a call
+# with its primal function traced and its ``jvp`` (or ``fwd``) rule kept for
+# later, as a thunk that traces the rule to a jaxpr when a transformation
+# asks; bound again from the jaxpr (``get_bind_params``), the rule is then
+# traced to a jaxpr and that jaxpr evaluated, twice the work of calling it.
+# Bound with the rule itself, the transformation calls it once, as for the
+# body traced directly. A call whose primal function closed over values of
+# the trace (constants of its equation) keeps JAX's thunk, which takes them.
+# Private: ``WrappedFun.stores`` (reset before a rule is called again, as
+# JAX's thunk does) and the staged tracer's variable (``.val``); where the
+# tracer has none, calls are bound from the jaxpr as before.
+class _Staging:
+    """The trace ``stage_to_evaluate`` stages into, and the functions of the
+    custom calls bound on it, by the variable of each call's first result."""
+
+    def __init__(self):
+        self.trace = None
+        self.rules: dict = {}
+
+
+_STAGING: contextvars.ContextVar = contextvars.ContextVar("nxops_staging", default=None)
+_STAGED_RULES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # jaxpr -> rules
+
+
+def _note_staged_rules(trace, outs, subfuns) -> None:
+    staging = _STAGING.get()
+    if (staging is not None and trace is staging.trace and subfuns is not None and outs
+            and isinstance(outs[0], pe.DynamicJaxprTracer)):
+        var = getattr(outs[0], "val", None)
+        if isinstance(var, core.Var):
+            staging.rules[var] = subfuns
+
+
 def stage_to_evaluate(fun: Callable, *args):
     """``jax.make_jaxpr(fun)(*args)`` for a jaxpr that ``eval_closed_jaxpr``
-    evaluates again where it runs: nested jits stay calls (see above). It
-    traces straight to a jaxpr: make_jaxpr goes through a jax.jit of ``fun``,
-    whose set-up (signature checks, the jit's own cache) costs about as much
-    as tracing a small function. ``fun`` returns a flat list of arrays.
-    Private: partial_eval's trace_to_jaxpr_dynamic and linear_util's
-    wrap_init; public alternative: jax.make_jaxpr (slower)."""
+    evaluates again where it runs: nested jits stay calls, custom calls keep
+    their rules (see above). It traces straight to a jaxpr: make_jaxpr goes
+    through a jax.jit of ``fun``, whose set-up (signature checks, the jit's
+    own cache) costs about as much as tracing a small function. ``fun``
+    returns a flat list of arrays. Private: partial_eval's
+    trace_to_jaxpr_dynamic and linear_util's wrap_init; public alternative:
+    jax.make_jaxpr (slower)."""
     flat, tree = jax.tree.flatten(args)
+    staging = _Staging()
 
     def flat_fun(*leaves):
+        staging.trace = core.trace_ctx.trace
         return fun(*jax.tree.unflatten(tree, leaves))
-    debug = api_util.debug_info("nx.xmap", flat_fun, flat, {})
-    token = _KEEP_JIT_CALLS.set(True)
+    tokens = _KEEP_JIT_CALLS.set(True), _STAGING.set(staging)
     try:
         jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
-            _lu.wrap_init(flat_fun, debug_info=debug), [jax.typeof(x) for x in flat])
+            _lu.wrap_init(flat_fun, debug_info=_staged_debug_info(len(flat))),
+            [jax.typeof(x) for x in flat])
     finally:
-        _KEEP_JIT_CALLS.reset(token)
-    return ClosedJaxpr(jaxpr, consts)
+        _STAGING.reset(tokens[1])
+        _KEEP_JIT_CALLS.reset(tokens[0])
+    closed = ClosedJaxpr(jaxpr, consts)
+    if staging.rules:   # (JAX 0.12's ClosedJaxpr is a new Jaxpr: its .jaxpr is itself)
+        _STAGED_RULES[closed.jaxpr] = staging.rules
+    return closed
+
+
+@functools.lru_cache(maxsize=None)
+def _staged_debug_info(n_args: int):
+    """The debug info of a ``stage_to_evaluate`` trace of ``n_args`` leaves:
+    the same for every function it stages (a ``*leaves`` function of this
+    module; the jaxpr is evaluated, so no name in it reaches a program), so
+    made once per count, not from the function's signature at every trace."""
+    def flat_fun(*leaves):
+        del leaves
+    return api_util.debug_info("nx.xmap", flat_fun, [None] * n_args, {})
 
 
 def eval_closed_jaxpr(closed, *args) -> list:
     """``closed`` (a ClosedJaxpr) evaluated on ``args`` in the trace in
     scope: each equation bound again, custom_jvp/custom_vjp calls with their
     rules (how xmap reuses the one trace of a body)."""
-    return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
+    return eval_closed_jaxpr_with(closed, None, *args)
 
 
-def eval_closed_jaxpr_with(closed, override: Callable, *args) -> list:
+def eval_closed_jaxpr_with(closed, override: Callable | None, *args) -> list:
     """``eval_closed_jaxpr``, where ``override(eqn, operands)`` may give an
     equation's results (a list) instead of binding it again (None: bind it).
-    Private: ``source_info_util.user_context``, ``eqn.ctx`` and
-    ``Primitive.get_bind_params``, as JAX's own ``core.eval_jaxpr`` uses them."""
+    Each equation is bound as JAX's own ``core.eval_jaxpr`` binds it (its
+    source info, name stack and context), but a custom call staged by
+    ``stage_to_evaluate`` with its own rule; values are not dropped as they
+    die (they are tracers: xmap evaluates inside a trace). Private:
+    ``source_info_util.user_context``, ``eqn.ctx`` and
+    ``Primitive.get_bind_params``, as ``core.eval_jaxpr`` uses them."""
     jaxpr = closed.jaxpr
-    env = dict(zip([*jaxpr.constvars, *jaxpr.invars], [*closed.consts, *args]))
-    read = lambda v: v.val if isinstance(v, core.Literal) else env[v]
+    rules = _STAGED_RULES.get(jaxpr)
+    env = dict(zip(jaxpr.constvars, closed.consts))
+    env.update(zip(jaxpr.invars, args))
+    literal = core.Literal
     for eqn in jaxpr.eqns:
-        operands = [read(v) for v in eqn.invars]
-        outs = override(eqn, operands)
+        operands = [v.val if isinstance(v, literal) else env[v] for v in eqn.invars]
+        outs = None if override is None else override(eqn, operands)
         if outs is None:
+            staged = rules.get(eqn.outvars[0]) if rules and eqn.outvars else None
+            params = (eqn.primitive.get_bind_params(eqn.params) if staged is None
+                      else _with_staged_rule(eqn, staged))
             name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
             with (source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
                   eqn.ctx.manager):
-                outs = eqn.primitive.bind(*operands, **eqn.primitive.get_bind_params(eqn.params))
-            outs = outs if eqn.primitive.multiple_results else [outs]
+                outs = eqn.primitive.bind(*operands, **params)
+            if not eqn.primitive.multiple_results:
+                outs = [outs]
         env.update(zip(eqn.outvars, outs))
-    return [read(v) for v in jaxpr.outvars]
+    return [v.val if isinstance(v, literal) else env[v] for v in jaxpr.outvars]
+
+
+def _with_staged_rule(eqn, staged: tuple) -> dict:
+    """The parameters that bind the custom call ``eqn`` again: JAX's, but
+    with its own ``jvp`` or ``fwd`` rule (``staged``: the functions it was
+    bound with) where it was staged without constants (see above)."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    rule = staged[1]   # custom_jvp: (fun, jvp); custom_vjp: (fun, fwd, bwd)
+    if eqn.params.get("num_consts") or not isinstance(rule, _lu.WrappedFun):
+        return params
+    for store in rule.stores:
+        if store:
+            store.reset()
+    fun, _, *rest = params["subfuns"]
+    return {**params, "subfuns": (fun, rule, *rest)}
 
 
 def staging_into_jaxpr() -> bool:

@@ -277,8 +277,31 @@ def unbound_in_running_rule(name) -> bool:
     return name in _UNBOUND_AT_RULE.get()
 
 
+# While an nx.xmap body is traced: the names its named ops use (None: nobody
+# watches, or a nested xmap's body, whose names are its own).
+_NAMES_USED: contextvars.ContextVar[set | None] = contextvars.ContextVar(
+    "nxops_names_used", default=None)
+
+
+@contextlib.contextmanager
+def names_used(watch: bool) -> Iterator[set]:
+    """Yields a set that fills with the names the named ops (collectives,
+    position and size queries) traced within the block use, if ``watch``;
+    an enclosing block does not see those of this one."""
+    used: set = set()
+    token = _NAMES_USED.set(used if watch else None)
+    try:
+        yield used
+    finally:
+        _NAMES_USED.reset(token)
+
+
 def note_named_op(names: Sequence, *, op: str) -> None:
-    """Records a named op over mesh axes run by a custom call's primal function."""
+    """Records the names a named op uses (``names_used``), and a named op over
+    mesh axes run by a custom call's primal function."""
+    used = _NAMES_USED.get()
+    if used is not None:
+        used.update(names)
     call = _PRIMAL_OF.get()
     if call is None or call.primal_mesh_op is not None:
         return

@@ -46,12 +46,17 @@ from nxops.ops._axis_env import mesh_platform as _mesh_platform
 from nxops.ops._axis_env import CustomCall
 from nxops.ops._named_params import named_axes_effect
 from nxops.xmap._varying import (_CUSTOM_RULE_PRIMITIVES, NO_NAMES, Names, VaryingWalk,
-                                 _sub_jaxprs, open_jaxpr)
+                                 _sub_jaxprs)
 
 
 def _float(x) -> bool:
     """An inexact array (a cotangent, not float0, nor bwd's marker for None)."""
-    return isinstance(x, jax.Array) and jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)
+    return isinstance(x, jax.Array) and _inexact(x.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _inexact(dtype) -> bool:
+    return jax.numpy.issubdtype(dtype, jax.numpy.inexact)
 
 
 def walk_program(jaxpr, in_mesh_axes: Sequence, plan, typed: bool,
@@ -81,6 +86,8 @@ def walk_program(jaxpr, in_mesh_axes: Sequence, plan, typed: bool,
 
 def _custom_call(eqn) -> CustomCall | None:
     """The CustomCall of a custom_vjp equation bound in an xmap body (else None)."""
+    if eqn.primitive.name not in _CUSTOM_RULE_PRIMITIVES:   # (asked of every equation)
+        return None
     calls = [getattr(w, "custom_call", None) for w in custom_rule_wrappers(eqn.params.get("bwd"))]
     return next((c for c in calls if isinstance(c, CustomCall)), None)
 
@@ -153,8 +160,8 @@ def _position_dependent(eqn, every: Names) -> Names:
     position along: any its parameters (or those of the equations nested in
     it) name, all of them where ``_mentioned_by`` cannot tell."""
     found = _mentioned_by(eqn)
-    for sub in _sub_jaxprs(eqn.params):
-        found = found | _mentioned(open_jaxpr(sub))
+    for sub in _sub_jaxprs(eqn):
+        found = found | _mentioned(sub)
     return every if _ANY in found else every & found
 
 
@@ -164,7 +171,7 @@ def _mentioned(jaxpr) -> frozenset:
     except KeyError:
         pass
     found = frozenset().union(*(_mentioned_by(e) | frozenset().union(
-        *(_mentioned(open_jaxpr(s)) for s in _sub_jaxprs(e.params))) for e in jaxpr.eqns))
+        *(_mentioned(s) for s in _sub_jaxprs(e))) for e in jaxpr.eqns))
     _MENTIONED[jaxpr] = found
     return found
 
@@ -241,7 +248,7 @@ class _TypedBwd:
             one_value = [m for m in mesh_axes if m not in names and m not in out_names[i]]
             alike_out.append(Names(one_value) if _float(out[i]) else NO_NAMES)
             if one_value and _float(out[i]):
-                out[i] = out[i] / math.prod(mesh.shape[m] for m in one_value)
+                out[i] = _over(out[i], math.prod(mesh.shape[m] for m in one_value))
         self.alike_out = alike_out
         return rebuild(out)
 
@@ -303,6 +310,11 @@ def _times(x, size: int):
     """``x * size`` in ``x``'s dtype, bound as one ``mul`` (no jax.numpy call:
     its promotion and nested jit cost more to trace than the product)."""
     return lax.mul(x, np.array(size, x.dtype))
+
+
+def _over(x, size: int):
+    """``x / size`` in ``x``'s dtype, bound as one ``div`` (as ``_times``)."""
+    return lax.div(x, np.array(size, x.dtype))
 
 
 class _TracedBwd:

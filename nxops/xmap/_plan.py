@@ -15,6 +15,7 @@ import contextlib
 import contextvars
 import dataclasses
 import difflib
+import functools
 import math
 from typing import Any, Sequence, Union
 
@@ -73,7 +74,12 @@ class Plan:
     mesh_axes: tuple[str, ...]
 
     def axis(self, name: str) -> AxisPlan:
-        return next(a for a in self.axes if a.name == name)
+        return self._axes_by_name[name]
+
+    @functools.cached_property
+    def _axes_by_name(self) -> dict[str, AxisPlan]:
+        """(Read at every dimension of every operand and result of a lowering.)"""
+        return {a.name: a for a in self.axes}
 
     def partition_spec(self, spec: AxisSpec, ndim: int) -> PartitionSpec:
         by_pos = spec.mapping

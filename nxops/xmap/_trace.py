@@ -9,7 +9,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from nxops._errors import NxopsError
 from nxops._jax import spmd_axis_names
-from nxops.ops._axis_env import logical_axes
+from nxops.ops._axis_env import logical_axes, names_used
 from nxops.xmap._definition import Definition
 from nxops.xmap._enclosing import ENCLOSING_MESH, enclosing_mesh
 from nxops.xmap._inputs import refuse_inputs_on_another_mesh, replicated_off_mesh
@@ -29,19 +29,23 @@ def run(definition: Definition, mesh: Mesh | None, resources: dict, args: tuple)
     plan, flat_specs = definition.plan(args, mesh, resources)
     refuse_inputs_on_another_mesh(args, plan, flat_specs)
     args = replicated_off_mesh(args)
-    if definition.body_only_names:
-        with enclosing_mesh():
-            _check_body_uses(definition, plan, args, flat_specs)
     with enclosing_mesh():
         variance = analyse_shared(definition.fun, plan, jax.tree.structure(args),
                                   jax.tree.leaves(args), flat_specs)
+    program_plan = plan
     if variance is None and shared_resources(plan) and plan.unvmapped():
-        plan = plan.with_vmap_levels()   # vmap then tells what varies
-    try:
-        results, outputs = _traced_program(definition, plan, args, flat_specs, variance, nested)
-    except NeedsVmapLevels:   # rare: the body's one more trace
-        results, outputs = _traced_program(definition, plan.with_vmap_levels(), args,
-                                           flat_specs, variance, nested)
+        program_plan = plan.with_vmap_levels()   # vmap then tells what varies
+    with names_used(bool(definition.body_only_names)) as used:
+        try:
+            results, outputs = _traced_program(definition, program_plan, args, flat_specs,
+                                               variance, nested)
+        except NeedsVmapLevels:   # rare: the body's one more trace
+            results, outputs = _traced_program(definition, program_plan.with_vmap_levels(),
+                                               args, flat_specs, variance, nested)
+    unseen = [n for n in definition.body_only_names if n not in used]
+    if unseen:   # (its named ops did not use them: the body's own check traces it)
+        with enclosing_mesh():
+            _check_body_uses(definition, plan, args, flat_specs, unseen)
     if nested:
         results = [_unsharded_type(x) for x in results]
     elif plan.mesh is None and not spmd_axis_names():   # (else _program constrains)
@@ -60,11 +64,14 @@ def _traced_program(definition: Definition, plan: Plan, args: tuple, flat_specs:
         return _trace(definition.fun, program, plan, tree, leaves, flat_specs, nested), outputs
 
 
-def _check_body_uses(definition: Definition, plan: Plan, args: tuple, flat_specs: list) -> None:
+def _check_body_uses(definition: Definition, plan: Plan, args: tuple, flat_specs: list,
+                     names: list) -> None:
     """A name that only ``axis_sizes`` gives and that the body does not use
-    either is likely misspelled: it would define a name silently."""
+    either is likely misspelled: it would define a name silently. Asked of
+    the ``names`` no named op used while the program was traced (one more
+    trace of the body each: a use the named ops do not record, a misspelling)."""
     tree, leaves = jax.tree.structure(args), jax.tree.leaves(args)
-    unused = [n for n in definition.body_only_names
+    unused = [n for n in names
               if runs_without(definition.fun, plan, [n], tree, leaves, flat_specs)]
     if unused:
         raise NxopsError(

@@ -112,7 +112,7 @@ def _all_eqns(jaxprs: list[Jaxpr]):
     for jaxpr in jaxprs:
         for eqn in jaxpr.eqns:
             yield eqn
-            yield from _all_eqns([open_jaxpr(j) for j in _sub_jaxprs(eqn.params)])
+            yield from _all_eqns(_sub_jaxprs(eqn))
 
 
 def closed_over_constants(body: Callable, plan: Plan, in_tree, flat_args: Sequence,
@@ -219,8 +219,8 @@ class VaryingWalk:
         return self._eqn_with_sub_jaxprs(eqn, ins)
 
     def _eqn_with_sub_jaxprs(self, eqn, ins: list[Names]) -> list[Names]:
-        params, n_out = eqn.params, len(eqn.outvars)
-        sub = [open_jaxpr(j) for j in _sub_jaxprs(params)]
+        n_out = len(eqn.outvars)
+        sub = _sub_jaxprs(eqn)
         if len(sub) == 1 and len(sub[0].invars) == len(ins) and len(sub[0].outvars) == n_out:
             deps = None if self._shared else _dependencies(sub[0])
             if deps is not None:   # (a jax.numpy function's jit, mostly)
@@ -404,7 +404,7 @@ def _compute_dependencies(jaxpr: Jaxpr) -> list[frozenset] | None:
                 or named_axes_effect(eqn.primitive, eqn.params) is not None):
             return None
         ins = [read(v) for v in eqn.invars]
-        sub = [open_jaxpr(j) for j in _sub_jaxprs(eqn.params)]
+        sub = _sub_jaxprs(eqn)
         if not sub:
             outs = [frozenset().union(*ins)] * len(eqn.outvars)
         elif (len(sub) == 1 and len(sub[0].invars) == len(ins)
@@ -424,15 +424,29 @@ _WALKED_APART = {"axis_index", "scan", "while", "cond"} | {
     "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
 
 
-def _sub_jaxprs(params) -> list:
-    """The jaxprs in an equation's params, also those JAX 0.12's "hi"
+def _sub_jaxprs(eqn) -> list[Jaxpr]:
+    """The jaxprs in an equation's params, opened: those ``core.jaxprs_in_params``
+    finds (a value, or an entry of a tuple value), then those JAX 0.12's "hi"
     primitives (``call_hi_primitive``: custom_root) keep as attributes of the
-    object in their params."""
-    found = list(core.jaxprs_in_params(params))
+    object in their params. One pass with no generator, and a jit (the
+    jax.numpy functions a body calls) read at once: the walks ask it of every
+    equation of a body, so its calls count in every lowering."""
+    params = eqn.params
+    if eqn.primitive.name == "jit":   # its one jaxpr (its mesh's attributes hold none)
+        return [params["jaxpr"].jaxpr]
+    found: list = []
+    in_attributes: list = []
     for value in params.values():
-        found += [v for v in getattr(value, "__dict__", {}).values()
-                  if isinstance(v, (Jaxpr, ClosedJaxpr))]
-    return found
+        if isinstance(value, tuple):
+            found += [open_jaxpr(v) for v in value if isinstance(v, (Jaxpr, ClosedJaxpr))]
+        elif isinstance(value, (Jaxpr, ClosedJaxpr)):
+            found.append(open_jaxpr(value))
+        else:
+            attributes = getattr(value, "__dict__", None)
+            if attributes:
+                in_attributes += [open_jaxpr(v) for v in attributes.values()
+                                  if isinstance(v, (Jaxpr, ClosedJaxpr))]
+    return found + in_attributes
 
 
 def open_jaxpr(jaxpr: Jaxpr | ClosedJaxpr) -> Jaxpr:

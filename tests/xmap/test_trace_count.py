@@ -109,3 +109,24 @@ def test_body_traced_once_under_jax_vmap_of_the_xmap():
     assert len(calls) == 1, f"traced {len(calls)} times"
     want = jax.vmap(_positional)(*stacked)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-4)
+
+
+BODY_ONLY_NAME = [   # placements of a name 'n' that only axis_sizes gives
+    ("none", {}),
+    ("s_mesh", {"s": "y"}),
+    ("n_mesh", {"n": "x", "s": "y"}),
+    ("n_mesh_b_loop", {"b": nx.SerialLoop(2), "n": "x", "s": "y"}),
+]
+
+
+@pytest.mark.parametrize("name,resources", BODY_ONLY_NAME, ids=[p[0] for p in BODY_ONLY_NAME])
+def test_body_traced_once_with_a_name_only_axis_sizes_gives(name, resources):
+    """A name that no in_axes or out_axes names must be used by the body (else
+    it is likely misspelled): the named ops of the program's one trace tell."""
+    counted, calls = _counted(lambda x, w1, w2: nx.psum(_plain(x, w1, w2), "n") / 2)
+    f = nx.xmap(counted, IN_AXES, ["b", ...], axis_sizes={"n": 2}, axis_resources=resources)
+    args = _args()
+    with jax.set_mesh(jax.make_mesh((2, 4), ("x", "y"))):
+        got = f(*args)
+    assert len(calls) == 1, f"traced {len(calls)} times"
+    np.testing.assert_allclose(np.asarray(got), _positional(*args), rtol=2e-5, atol=2e-5)
