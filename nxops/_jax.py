@@ -201,26 +201,47 @@ def axis_index_at_vmap_level(name) -> object | None:
     return None
 
 
-def pin_constant(value, aval) -> object | None:
-    """Makes the current jaxpr trace use ``aval`` for the closed-over constant
-    ``value`` (JAX reuses one tracer per constant object in a trace). Returns
-    that tracer, which must stay alive while the trace uses it; None where
-    the trace has no such cache (the constant keeps its own type).
+def type_constants_in_current_trace(aval_of: Callable) -> bool:
+    """Makes the jaxpr trace in scope ask ``aval_of(value)`` for the type of
+    each value it closes over from now on (None: the value's own type), for
+    as long as that trace lives. False where the trace in scope is no jaxpr
+    trace, or JAX's has no constant cache to hook (constants keep their types).
 
     xmap uses it for arrays made under an Explicit mesh and closed over by a
     body that runs in a shard_map over some of its axes: their own type names
-    the all-Explicit mesh, which JAX 0.10 refuses to mix with the body's
-    partly Manual one (jax-ml/jax#29162: "pass it in as an argument" -- a
-    closure is not an argument xmap can see). Private: ``new_const(aval=)``.
-    """
+    the all-Explicit mesh, which JAX refuses to mix with the body's partly
+    Manual one (jax-ml/jax#29162: "pass it in as an argument" -- a closure is
+    not an argument xmap can see). Typed as they are met, they need no trace
+    of the body beforehand to find them. Private: ``DynamicJaxprTrace.new_const``
+    (wrapped once, class-wide: a trace has slots) and ``new_const(aval=)``."""
     trace = getattr(core, "unsafe_get_current_trace", lambda: None)()
-    new_const = getattr(trace, "new_const", None)
-    if new_const is None or not hasattr(getattr(trace, "frame", None), "constid_to_tracer"):
-        return None
-    try:
-        return new_const(value, source_info_util.current(), aval=aval)
-    except TypeError:   # another signature
-        return None
+    if not isinstance(trace, pe.DynamicJaxprTrace) or not _hook_new_const():
+        return False
+    _CONSTANT_TYPES[trace] = aval_of
+    return True
+
+
+# jaxpr trace -> its ``aval_of`` (see type_constants_in_current_trace).
+_CONSTANT_TYPES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+@functools.lru_cache(maxsize=None)
+def _hook_new_const() -> bool:
+    original = getattr(pe.DynamicJaxprTrace, "new_const", None)
+    if original is None or "aval" not in inspect.signature(original).parameters:
+        return False
+
+    def new_const(self, c, source_info, aval=None):
+        if aval is None and _CONSTANT_TYPES:
+            aval_of = _CONSTANT_TYPES.get(self)
+            if aval_of is not None and self.frame.constid_to_tracer.get(id(c)) is None:
+                aval = aval_of(c)
+        return original(self, c, source_info, aval)
+
+    for name in ("new_const", "pure", "lift"):
+        if getattr(pe.DynamicJaxprTrace, name, None) is original:
+            setattr(pe.DynamicJaxprTrace, name, new_const)
+    return True
 
 
 def spmd_axis_names() -> frozenset:

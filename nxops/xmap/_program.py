@@ -35,8 +35,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from nxops._jax import eval_closed_jaxpr, stage_to_evaluate
 from nxops._jax import infer_out_axes as _infer_out_axes
-from nxops._jax import pin_constant as _pin_constant
-from nxops._jax import spmd_axis_names
+from nxops._jax import spmd_axis_names, type_constants_in_current_trace
 from nxops._errors import NxopsError
 from nxops.kernels.xla.collectives import CPU_UNSAFE_DTYPES
 from nxops.ops._axis_env import (InternalAxisName, TileAxisName, collect_custom_calls,
@@ -223,44 +222,54 @@ def _zeros_like_aval(aval):
     return lax.pcast(zeros, varying, to="varying") if varying else zeros
 
 
-# Closed-over arrays typed on an Explicit mesh, which the body's traces inside
-# the shard_map must see with the body's mesh (see _jax.pin_constant). Set by
-# xmap when a first trace failed on them; empty otherwise.
-_CONSTANTS_TO_PIN: contextvars.ContextVar[tuple] = contextvars.ContextVar(
-    "nxops_constants_to_pin", default=())
+# The closed-over arrays that the traces of the program being traced typed on
+# the body's mesh (``retyped_constants``); None outside it.
+_RETYPED: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "nxops_retyped_constants", default=None)
 
 
 @contextlib.contextmanager
-def pinned_constants(constants: Sequence) -> Any:
-    token = _CONSTANTS_TO_PIN.set(tuple(constants))
+def retyped_constants() -> Any:
+    """Collects, while a program is traced, the closed-over arrays its traces
+    typed on the body's mesh (named by xmap's error if JAX still refuses them)."""
+    retyped: list = []
+    token = _RETYPED.set(retyped)
     try:
-        yield
+        yield retyped
     finally:
-        _CONSTANTS_TO_PIN.reset(token)
+        _RETYPED.reset(token)
 
 
-def _pin_constants() -> list:
-    """Pins the constants in the trace being made (a shard_map body or a
-    loop step): replicated, on the mesh in scope here. Keep the result alive."""
-    constants = _CONSTANTS_TO_PIN.get()
-    if not constants:
-        return []
+def _retype_closed_over_arrays() -> None:
+    """In the trace being made (a shard_map body, a loop step, or the staging
+    of either), closed-over arrays typed on a mesh with Explicit axes are
+    typed replicated on the body's mesh as they are met: the two do not mix
+    there (see ``_jax.type_constants_in_current_trace``), and inside the
+    shard_map every device holds the whole constant anyway."""
     mesh = jax.sharding.get_abstract_mesh()
-    pinned = []
-    for c in constants:
-        aval = jax.typeof(c).update(sharding=NamedSharding(mesh, PartitionSpec()))
-        pinned.append(_pin_constant(c, aval))
-    return pinned
+    if mesh.manual_axes:
+        type_constants_in_current_trace(functools.partial(_replicated_on, mesh))
 
 
-def explicit_mesh_constants(constants: Sequence) -> list:
-    """The concrete arrays among ``constants`` typed on a mesh with Explicit axes."""
-    def on_explicit_mesh(c) -> bool:
-        sharding = getattr(c, "sharding", None) if isinstance(c, jax.Array) else None
-        mesh = getattr(sharding, "mesh", None)
-        return (not isinstance(c, jax.core.Tracer) and isinstance(sharding, NamedSharding)
-                and AxisType.Explicit in tuple(getattr(mesh, "axis_types", ())))
-    return [c for c in constants if on_explicit_mesh(c)]
+def _replicated_on(mesh, constant):
+    """The type of ``constant`` replicated on ``mesh`` if it is a concrete
+    array typed on another mesh with Explicit axes, else None (its own)."""
+    if not on_explicit_mesh(constant):
+        return None
+    aval = jax.typeof(constant)
+    if aval.sharding.mesh == mesh:
+        return None
+    retyped = _RETYPED.get()
+    if retyped is not None and all(r is not constant for r in retyped):
+        retyped.append(constant)
+    return aval.update(sharding=NamedSharding(mesh, PartitionSpec()))
+
+
+def on_explicit_mesh(constant) -> bool:
+    """Whether ``constant`` is a concrete array typed on a mesh with Explicit axes."""
+    sharding = getattr(constant, "sharding", None) if isinstance(constant, jax.Array) else None
+    return (not isinstance(constant, jax.core.Tracer) and isinstance(sharding, NamedSharding)
+            and AxisType.Explicit in tuple(getattr(sharding.mesh, "axis_types", ())))
 
 
 def _loop_level(loop, inner: Inner, outputs: _Outputs) -> Inner:
@@ -273,7 +282,7 @@ def _loop_level(loop, inner: Inner, outputs: _Outputs) -> Inner:
         inner_layouts: list = []
 
         def one_step(index, xs_step):
-            pinned = _pin_constants()  # noqa: F841 - alive while the step is traced
+            _retype_closed_over_arrays()
             args = list(flat)
             for i, x in zip(scanned, xs_step):
                 args[i] = x
@@ -292,7 +301,7 @@ def _loop_level(loop, inner: Inner, outputs: _Outputs) -> Inner:
         stacked = [tag in outputs.layouts[j] for j in range(len(step_avals))]
 
         def step(carry, index_and_xs):
-            pinned = _pin_constants()  # noqa: F841 - alive while the step is traced
+            _retype_closed_over_arrays()
             index, xs_step = index_and_xs
             outs = eval_closed_jaxpr(step_jaxpr, index, *xs_step)
             return ([o for o, s in zip(outs, stacked) if not s],
@@ -537,7 +546,7 @@ class _OverMesh:
     def _sharded(self, call: _MeshCall, *local) -> list:
         """The shard_map's body: the local program on each device's blocks."""
         plan = self._plan
-        pinned = _pin_constants()  # noqa: F841 - alive while the body is traced
+        _retype_closed_over_arrays()
         local = iter([x if d is None else x.astype(d) for x, d in zip(local, call.narrowed)])
         args = [next(local) if e is None else jnp.zeros(e, x.dtype)
                 for x, e in zip(call.flat, call.empty)]
@@ -580,12 +589,12 @@ def _run_body(local_program: Callable, args: list, plan: Plan, in_mesh_axes: lis
     across the devices of a collective, and, when a custom_vjp's primal runs
     a named op over mesh axes, tells each custom_vjp call which mesh axes its
     operands and results vary along, for a jax.grad outside the xmap."""
-    def pinned_program(*local):
-        pinned = _pin_constants()  # noqa: F841 - alive while the program is traced
+    def retyping_program(*local):
+        _retype_closed_over_arrays()
         return local_program(*local)
 
     with collect_custom_calls() as calls:
-        closed = stage_to_evaluate(pinned_program, *args)
+        closed = stage_to_evaluate(retyping_program, *args)
     typed = any(call.kind == "custom_vjp" and call.primal_mesh_op is not None for call in calls)
     out_mesh_axes = [_pspec_axes(plan.partition_spec(s, v.aval.ndim))
                      for v, s in zip(closed.jaxpr.outvars, outputs.specs)] if typed else ()

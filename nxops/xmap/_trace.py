@@ -15,7 +15,7 @@ from nxops.xmap._enclosing import ENCLOSING_MESH, enclosing_mesh
 from nxops.xmap._inputs import refuse_inputs_on_another_mesh, replicated_off_mesh
 from nxops.xmap._plan import Plan
 from nxops.xmap._program import (NeedsVmapLevels, build_program, constrain_on_auto_mesh,
-                                 explicit_mesh_constants, pinned_constants)
+                                 on_explicit_mesh, retyped_constants)
 from nxops.xmap._varying import (analyse_shared, closed_over_constants, runs_without,
                                   shared_resources)
 from nxops.xmap._xmap_errors import (closed_over_error, closed_over_tracer_error,
@@ -84,31 +84,29 @@ def _check_body_uses(definition: Definition, plan: Plan, args: tuple, flat_specs
 
 
 def _trace(fun, program, plan: Plan, tree, leaves: list, flat_specs: list, nested: bool):
-    """``program(*leaves)``; on a mesh, retraced once if the body closes over
-    arrays made under an Explicit mesh, which JAX refuses inside the
-    shard_map: typed on the body's mesh (see ``_jax.pin_constant``)."""
-    try:
-        return program(*leaves)
-    except (NxopsError, NeedsVmapLevels):
-        raise
-    except Exception as e:
-        if plan.mesh is None:
+    """``program(*leaves)``, whose traces on a mesh type the arrays the body
+    closes over that were made under an Explicit mesh on the body's mesh
+    (``_program.retyped_constants``): errors name those JAX still refuses."""
+    with retyped_constants() as retyped:
+        try:
+            return program(*leaves)
+        except (NxopsError, NeedsVmapLevels):
             raise
-        constants = explicit_mesh_constants(
-            closed_over_constants(fun, plan, tree, leaves, flat_specs))
-        if not constants:
+        except Exception as e:
+            if plan.mesh is None:
+                raise
+            # Those met before the failure, or else (when JAX refused one on
+            # its way in, e.g. into a jax.numpy function's jit) those a trace
+            # of the body on one instance finds: an error path only.
+            constants = retyped or [c for c in closed_over_constants(
+                fun, plan, tree, leaves, flat_specs) if on_explicit_mesh(c)]
+            if constants:
+                raise closed_over_error(constants, plan) from e
             if nested and closing_over_explicit(e):
                 raise nested_closure_error(plan) from e
             if mixing_mesh_types(e):
                 raise closed_over_tracer_error(plan) from e
             raise
-    with pinned_constants(constants):
-        try:
-            return program(*leaves)
-        except NxopsError:
-            raise
-        except Exception as e:
-            raise closed_over_error(constants, plan) from e
 
 
 def _unsharded_type(x):

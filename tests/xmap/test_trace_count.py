@@ -7,6 +7,7 @@ The counted programs are also checked against the positional program, so a
 count of one cannot come from skipping the body."""
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import pytest
 
@@ -130,3 +131,39 @@ def test_body_traced_once_with_a_name_only_axis_sizes_gives(name, resources):
         got = f(*args)
     assert len(calls) == 1, f"traced {len(calls)} times"
     np.testing.assert_allclose(np.asarray(got), _positional(*args), rtol=2e-5, atol=2e-5)
+
+
+EXPLICIT_PLACEMENTS = [   # (id, axis_resources) on a (2, 4) mesh of Explicit axes
+    ("b_mesh", {"b": "x"}),
+    ("s_mesh", {"s": "y"}),
+    ("b_mesh_and_loop", {"b": ("y", nx.SerialLoop(2))}),
+    ("b_loop_s_mesh", {"b": nx.SerialLoop(2), "s": "x"}),
+    ("b_mesh_and_loop_s_loop", {"b": ("x", nx.SerialLoop(2)), "s": nx.SerialLoop(2)}),
+]
+
+
+@pytest.mark.parametrize("name,resources", EXPLICIT_PLACEMENTS,
+                         ids=[p[0] for p in EXPLICIT_PLACEMENTS])
+def test_body_closing_over_arrays_made_under_an_explicit_mesh_traced_once(name, resources):
+    """A PRNG key and a scale made under a mesh of Explicit axes, closed over
+    by the body: typed on the body's mesh as the one trace meets them (JAX
+    refuses the two meshes together inside the shard_map), not found by a
+    failed trace and a trace of the body on one instance first."""
+    mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((16, S)), jnp.float32)
+    with jax.set_mesh(mesh):
+        key, scale = jax.random.key(7), jnp.float32(3.0)
+
+        def body(v):
+            noise = jax.random.uniform(jax.random.fold_in(key, nx.axis_index("b")), v.shape)
+            return lax.mul(v, scale) + noise
+
+        counted, calls = _counted(body)
+        f = nx.xmap(counted, [["b", "s"]], ["b", "s"], axis_resources=resources)
+        f.lower(x)
+        assert len(calls) == 1, f"traced {len(calls)} times by one lower"
+        got = f(x)
+    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(7), i))(jnp.arange(16))
+    noise = jax.vmap(lambda k: jax.random.uniform(k, ()))(keys)   # one value per position of 'b'
+    np.testing.assert_allclose(np.asarray(got), np.asarray(x) * 3 + np.asarray(noise)[:, None],
+                               rtol=1e-6, atol=1e-6)
