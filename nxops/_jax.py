@@ -205,7 +205,7 @@ def type_constants_in_current_trace(aval_of: Callable) -> bool:
     """Makes the jaxpr trace in scope ask ``aval_of(value)`` for the type of
     each value it closes over from now on (None: the value's own type), for
     as long as that trace lives. False where the trace in scope is no jaxpr
-    trace, or JAX's has no constant cache to hook (constants keep their types).
+    trace, or JAX's ``new_const`` takes no type (constants keep their own).
 
     xmap uses it for arrays made under an Explicit mesh and closed over by a
     body that runs in a shard_map over some of its axes: their own type names
@@ -227,6 +227,8 @@ _CONSTANT_TYPES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 @functools.lru_cache(maxsize=None)
 def _hook_new_const() -> bool:
+    """Wraps ``DynamicJaxprTrace.new_const`` (once) to ask a registered trace's
+    ``aval_of``; other traces pay one check of an empty-or-small dictionary."""
     original = getattr(pe.DynamicJaxprTrace, "new_const", None)
     if original is None or "aval" not in inspect.signature(original).parameters:
         return False
@@ -234,7 +236,7 @@ def _hook_new_const() -> bool:
     def new_const(self, c, source_info, aval=None):
         if aval is None and _CONSTANT_TYPES:
             aval_of = _CONSTANT_TYPES.get(self)
-            if aval_of is not None and self.frame.constid_to_tracer.get(id(c)) is None:
+            if aval_of is not None:   # (a constant the trace already holds keeps its type)
                 aval = aval_of(c)
         return original(self, c, source_info, aval)
 
