@@ -1,6 +1,7 @@
 """``nx.xmap`` traces the user's Python body once per ``lower``, whatever the
 placement (no resources, mesh axes, mesh axes with f/g custom rules, serial
-loops, mixtures of mesh axes, loops and vmap levels), and a second call that
+loops, mixtures of mesh axes, loops and vmap levels; a body closing over
+arrays made under an Explicit mesh), and a second call that
 jit has cached traces nothing. Every later pass (the variance walk, the typed
 custom rules, the loop step) reads the body's jaxpr instead of calling it.
 The counted programs are also checked against the positional program, so a
@@ -145,10 +146,10 @@ EXPLICIT_PLACEMENTS = [   # (id, axis_resources) on a (2, 4) mesh of Explicit ax
 @pytest.mark.parametrize("name,resources", EXPLICIT_PLACEMENTS,
                          ids=[p[0] for p in EXPLICIT_PLACEMENTS])
 def test_body_closing_over_arrays_made_under_an_explicit_mesh_traced_once(name, resources):
-    """A PRNG key and a scale made under a mesh of Explicit axes, closed over
-    by the body: typed on the body's mesh as the one trace meets them (JAX
-    refuses the two meshes together inside the shard_map), not found by a
-    failed trace and a trace of the body on one instance first."""
+    """A PRNG key and a scale made under a mesh of Explicit axes and closed
+    over by the body, which JAX refuses to mix with the body's partly Manual
+    mesh inside the shard_map: xmap types them on the body's mesh as its one
+    trace meets them, so the body is traced once, with the positional values."""
     mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
     x = jnp.asarray(np.random.default_rng(1).standard_normal((16, S)), jnp.float32)
     with jax.set_mesh(mesh):
