@@ -437,7 +437,7 @@ def _staged_debug_info(n_args: int):
     made once per count, not from the function's signature at every trace."""
     def flat_fun(*leaves):
         del leaves
-    return api_util.debug_info("nx.xmap", flat_fun, [None] * n_args, {})
+    return api_util.debug_info("nx.xmap", flat_fun, [0] * n_args, {})   # (None would be no leaf)
 
 
 def eval_closed_jaxpr(closed, *args) -> list:
